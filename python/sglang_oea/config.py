@@ -1,0 +1,105 @@
+"""OEA configuration: one frozen object, validated once at startup. No SGLang import.
+
+Built from the server flags (or `sglang.Engine(oea_k0=...)` keywords), with the deprecated
+environment variable SGLANG_OEA_K0 as a fallback for --oea-k0. Everything a user can get wrong
+raises ValueError naming the flag and the allowed values, before any weights load.
+"""
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+# B = 1 is pure top-k0 pruning, which the paper shows collapses accuracy (AIME 80.4 -> 51.2 at
+# k0=3). A row can only be refilled to k experts once the batch's union can hold k experts, i.e.
+# B * k0 >= k; B = 4 guarantees that for every k0 >= 2 at k = 8 (Qwen3, DeepSeek-V3, GLM-5).
+DEFAULT_MIN_BATCH = 4
+DEPRECATED_ENV_K0 = "SGLANG_OEA_K0"
+ENGINE_KEYWORDS = ("oea_k0", "oea_min_batch", "oea_max_batch", "oea_stats", "oea_dump_router_logits", "oea_dump_steps")
+
+
+@dataclass(frozen=True)
+class OEAConfig:
+    """The OEA settings of one server.
+
+    k0: experts each token keeps as its base; None turns OEA off.
+    min_batch: OEA applies only to decode batches with at least this many real requests.
+    max_batch: OEA is skipped above this many real requests; 0 = no cap.
+    stats: count distinct experts before/after OEA on the device (for /metrics).
+    dump_router_logits: directory to record decode router logits into (None = off).
+    dump_steps: how many decode steps to record (bounded).
+    """
+
+    k0: Optional[int] = None
+    min_batch: int = DEFAULT_MIN_BATCH
+    max_batch: int = 0
+    stats: bool = True
+    dump_router_logits: Optional[str] = None
+    dump_steps: int = 32
+
+    def __post_init__(self):
+        _require_int("--oea-k0", self.k0, minimum=1, allow_none=True)
+        _require_int("--oea-min-batch", self.min_batch, minimum=1)
+        _require_int("--oea-max-batch", self.max_batch, minimum=0)
+        _require_int("--oea-dump-steps", self.dump_steps, minimum=1)
+        if self.max_batch and self.max_batch < self.min_batch:
+            raise ValueError(
+                f"--oea-max-batch must be 0 (no cap) or >= --oea-min-batch ({self.min_batch}), "
+                f"got {self.max_batch}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.k0 is not None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        cap = self.max_batch or "none"
+        return f"k0={self.k0} min_batch={self.min_batch} max_batch={cap} stats={'on' if self.stats else 'off'}"
+
+
+def _require_int(flag: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    """Raise ValueError naming `flag` unless value is an int >= minimum (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def parse_int_flag(flag: str, text: str, minimum: int) -> int:
+    """Parse a flag's text as an int >= minimum, or raise ValueError naming the flag."""
+    try:
+        value = int(text, 10)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {text!r}") from None
+    _require_int(flag, value, minimum)
+    return value
+
+
+def k0_from_environment(environ: Mapping[str, str]) -> Optional[int]:
+    """The deprecated SGLANG_OEA_K0 switch, parsed and warned about; None when unset or empty."""
+    text = environ.get(DEPRECATED_ENV_K0, "").strip()
+    if not text:
+        return None
+    logger.warning("%s is deprecated; use the server flag --oea-k0 %s instead.", DEPRECATED_ENV_K0, text)
+    return parse_int_flag(DEPRECATED_ENV_K0, text, minimum=1)
+
+
+def build_config(values: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> OEAConfig:
+    """OEAConfig from flag values keyed like ENGINE_KEYWORDS (missing/None = default).
+
+    --oea-k0 wins over SGLANG_OEA_K0; the variable is used only when the flag is absent.
+    """
+    environ = os.environ if environ is None else environ
+    k0 = values.get("oea_k0")
+    env_k0 = k0_from_environment(environ)
+    if k0 is None:
+        k0 = env_k0
+    elif env_k0 is not None and env_k0 != k0:
+        logger.warning("--oea-k0 %s overrides %s=%s.", k0, DEPRECATED_ENV_K0, env_k0)
+    given = {key[len("oea_"):]: values[key] for key in ENGINE_KEYWORDS[1:] if values.get(key) is not None}
+    return OEAConfig(k0=k0, **given)

@@ -1,0 +1,60 @@
+"""Run the real `sglang serve` on a machine with no GPU.
+
+    python -m sglang_oea.cpu_serve --model-path DIR --load-format dummy [--oea-k0 4 ...]
+
+SGLang 0.5.23 serves a small MoE model on the CPU engine once the CUDA kernel wheel's imports
+are satisfied. This sets that up and then hands over to `sglang serve` in a fresh process:
+- SGLANG_USE_CPU_ENGINE=1 and --device cpu;
+- --attention-backend torch_native, --disable-cuda-graph, --mem-fraction-static 0.1;
+- the stand-in `sgl_kernel` (sglang_oea/cpu_stub) first on PYTHONPATH, so every process,
+  spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op that is
+  called logs an error and raises.
+A default is added only when the caller did not give that flag.
+"""
+
+import os
+import sys
+from typing import Dict, List, Mapping, Optional, Sequence
+
+STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_stub")
+CPU_DEFAULTS = (
+    ("--device", "cpu"),
+    ("--attention-backend", "torch_native"),
+    ("--disable-cuda-graph", None),
+    ("--mem-fraction-static", "0.1"),
+)
+
+
+def cpu_environment(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """A copy of `base` (default os.environ) that makes SGLang run on the CPU."""
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != STUB_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([STUB_DIR, *paths])
+    return env
+
+
+def with_cpu_defaults(argv: Sequence[str]) -> List[str]:
+    """`argv` plus each CPU default whose flag the caller did not give."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    out = list(argv)
+    for flag, value in CPU_DEFAULTS:
+        if flag not in given:
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def serve_command(argv: Sequence[str]) -> List[str]:
+    """The command line that runs `sglang serve` with `argv` and the CPU defaults."""
+    launcher = "from sglang.cli.main import main; main()"
+    return [sys.executable, "-c", launcher, "serve", *with_cpu_defaults(argv)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    command = serve_command(argv)
+    os.execve(sys.executable, command, cpu_environment())
+
+
+if __name__ == "__main__":
+    main()

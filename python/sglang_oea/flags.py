@@ -1,0 +1,126 @@
+"""The --oea-* server flags and the startup checks on the rest of the server's configuration.
+
+No SGLang import: the hooks in sglang_oea.hooks pass SGLang's parser and records in.
+Every refusal raises ValueError with one line naming the flag or setting and the allowed values.
+"""
+
+import argparse
+import logging
+from typing import Any, Callable, Mapping, Optional
+
+from sglang_oea.config import DEFAULT_MIN_BATCH, OEAConfig, build_config, parse_int_flag
+from sglang_oea.model_info import MoEShape, read_moe_shape
+
+logger = logging.getLogger(__name__)
+
+# MoE runner backends whose top-k output carries no topk_ids for OEA to rewrite.
+HIDDEN_TOPK_BACKENDS = {
+    "flashinfer_trtllm": "routes inside the MoE kernel (BYPASSED top-k output)",
+    "flashinfer_mxfp4": "routes inside the MoE kernel for non-FP4 experts (BYPASSED top-k output)",
+    "triton_kernel": "passes ragged routing metadata instead of topk_ids (TRITON_KERNEL output)",
+}
+WORKING_BACKENDS = "triton, or flashinfer_cutlass / cutlass for FP4 checkpoints"
+FALLBACK_BACKEND = "triton"
+
+
+def _int_type(flag: str, minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            return parse_int_flag(flag, text, minimum)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the OEA argument group to SGLang's server parser."""
+    group = parser.add_argument_group(
+        "Opportunistic Expert Activation (sglang-oea)",
+        "Batch-aware MoE routing for decode (arXiv 2511.02237). Off unless --oea-k0 is given.",
+    )
+    group.add_argument(
+        "--oea-k0", type=_int_type("--oea-k0", 1), default=None, metavar="K0",
+        help="Experts each token keeps as its own (k0 >= 1); the rest of its top-k is refilled "
+        "from experts the decode batch already loads. k0 >= the model's top-k is a no-op.",
+    )
+    group.add_argument(
+        "--oea-min-batch", type=_int_type("--oea-min-batch", 1), default=DEFAULT_MIN_BATCH, metavar="M",
+        help=f"Apply OEA only to decode batches with at least M real requests (default {DEFAULT_MIN_BATCH}; "
+        "B=1 would be pure top-k0 pruning).",
+    )
+    group.add_argument(
+        "--oea-max-batch", type=_int_type("--oea-max-batch", 0), default=0, metavar="M",
+        help="Skip OEA above M real requests, where the batch touches nearly every expert anyway "
+        "(0 = no cap; see docs/oea.md for choosing M).",
+    )
+    group.add_argument(
+        "--oea-disable-stats", action="store_true",
+        help="Do not count distinct experts before/after OEA (the sglang:oea_* expert metrics).",
+    )
+    group.add_argument(
+        "--oea-dump-router-logits", default=None, metavar="DIR",
+        help="Record decode-step router logits into DIR for benchmark/oea/simulate.py (off by default).",
+    )
+    group.add_argument(
+        "--oea-dump-steps", type=_int_type("--oea-dump-steps", 1), default=32, metavar="N",
+        help="With --oea-dump-router-logits: how many decode steps to record (default 32).",
+    )
+
+
+def config_from_namespace(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> OEAConfig:
+    """OEAConfig from parsed CLI arguments (plus the deprecated SGLANG_OEA_K0)."""
+    values = {
+        "oea_k0": getattr(args, "oea_k0", None),
+        "oea_min_batch": getattr(args, "oea_min_batch", None),
+        "oea_max_batch": getattr(args, "oea_max_batch", None),
+        "oea_stats": not getattr(args, "oea_disable_stats", False),
+        "oea_dump_router_logits": getattr(args, "oea_dump_router_logits", None),
+        "oea_dump_steps": getattr(args, "oea_dump_steps", None),
+    }
+    return build_config(values, environ)
+
+
+def check_parallelism(get: Callable[[str, Any], Any]) -> None:
+    """Refuse the parallel layouts OEA does not support yet. `get(name, default)` reads a setting."""
+    if (get("ep_size", 1) or 1) > 1:
+        raise ValueError(f"--oea-k0 supports --ep-size 1 only (expert parallel is not supported yet), got {get('ep_size', 1)}")
+    if get("enable_dp_attention", False) or (get("attn_dp_size", 1) or 1) > 1:
+        raise ValueError("--oea-k0 does not support DP attention yet (--attn-dp-size / --enable-dp-attention must be off)")
+    if (get("dp_size", 1) or 1) > 1:
+        raise ValueError(f"--oea-k0 supports --dp-size 1 only (data parallel is not supported yet), got {get('dp_size', 1)}")
+    if get("use_ray", False):
+        raise ValueError("--oea-k0 does not support --use-ray: Ray workers do not load SGLang plugins")
+
+
+def check_backend(backend: Optional[str]) -> None:
+    """Refuse a MoE runner backend that hides topk_ids."""
+    if backend in HIDDEN_TOPK_BACKENDS:
+        raise ValueError(
+            f"--oea-k0 needs top-k ids, but --moe-runner-backend {backend} {HIDDEN_TOPK_BACKENDS[backend]}; "
+            f"use --moe-runner-backend {WORKING_BACKENDS}"
+        )
+
+
+def check_model(shape: Optional[MoEShape], model_path: str, cfg: OEAConfig) -> None:
+    """Refuse a model without routed experts; log once when k0 makes OEA a no-op."""
+    if shape is None:
+        raise ValueError(f"--oea-k0 needs a mixture-of-experts model with routed experts; {model_path} has none")
+    if cfg.k0 >= shape.top_k:
+        logger.warning("--oea-k0 %d >= the model's top-k %d: OEA is a no-op for %s.", cfg.k0, shape.top_k, model_path)
+
+
+def validate_server(cfg: OEAConfig, get: Callable[[str, Any], Any], load_hf_config: Callable[[], Any]) -> Optional[MoEShape]:
+    """All startup checks for an enabled config; returns the model's MoE shape.
+
+    Args:
+        get: reads a raw server setting, `get(name, default)`.
+        load_hf_config: returns the model's Hugging Face config (read lazily: it touches disk).
+    """
+    if not cfg.enabled:
+        return None
+    check_parallelism(get)
+    check_backend(get("moe_runner_backend", "auto"))
+    shape = read_moe_shape(load_hf_config())
+    check_model(shape, get("model_path", "?"), cfg)
+    return shape

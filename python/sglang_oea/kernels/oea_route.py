@@ -1,0 +1,427 @@
+"""Fused Triton OEA routing: `sglang_oea.routing.route_from_logits` in two launches per MoE layer.
+
+Shape legend: B = rows (tokens), N = routed experts, K = routed experts per row, K0 = base size.
+
+Launch 1 (`_oea_union_kernel`, one program per row) ranks the row's routed top-K and marks its
+base (the K0 best) in a union bitmap [N] int32. Every writer stores the same value 1, so the
+result does not depend on the order of the programs.
+Launch 2 (`_oea_route_kernel`, one program per row) reads the union, picks the row's K - K0
+piggybacked experts (or the fills), computes the weights and applies the batch gate. The last
+program to finish clears the union again, so the workspace is ready for the next call without
+any extra launch; see `OEAWorkspace`.
+
+Graph safety: no host sync, no shape that depends on tensor values, and with a workspace no
+allocation. The row count and the gate are read on the device from `num_valid_rows`.
+Determinism: no floating-point atomics; every row's result depends only on its inputs and U.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+# An expert id lives in the low 16 bits of a pick key (see _pick_keys).
+MAX_EXPERTS = 1 << 15
+MAX_TOP_K = 64
+
+@triton.jit
+def _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR: tl.constexpr):
+    """num_valid_rows: read on the device (CUDA graphs) or passed by value."""
+    if VALID_FROM_PTR:
+        rows = tl.load(num_valid_ptr).to(tl.int32)
+    else:
+        rows = num_valid
+    return rows
+
+
+@triton.jit
+def _scores(logits_ptr, bias_ptr, cols, N, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Selection and weight scores [N_PAD] float32 of one row, as in routing.score_experts.
+
+    softmax: sel = w = exp(x - max x) / sum exp(x - max x)
+    sigmoid: w = 1 / (1 + exp(-x)), sel = w + bias
+    Padding columns (>= N) get sel = -inf and w = 0.
+    """
+    in_row = cols < N
+    x = tl.load(logits_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        w = tl.sigmoid(x)
+        sel = w
+        if HAS_BIAS:
+            sel = w + tl.load(bias_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    else:
+        e = tl.exp(x - tl.max(x, axis=0))
+        w = e / tl.sum(e, axis=0)
+        sel = w
+    sel = tl.where(in_row, sel, float("-inf"))
+    w = tl.where(in_row, w, 0.0)
+    return sel, w
+
+
+@triton.jit
+def _rank_routed(ids_ptr, sel, cols, k0, K: tl.constexpr, K_PAD: tl.constexpr):
+    """Rank one row's routed top-K by selection score, descending, ties to the lower id.
+
+    Returns ids [K_PAD] int32 (-1 on padding), hit [K_PAD, N_PAD] (ids[j] == col),
+    rank [K_PAD] (0 = best) and is_base [K_PAD] (rank < k0).
+    """
+    slots = tl.arange(0, K_PAD)
+    in_k = slots < K
+    ids = tl.load(ids_ptr + slots, mask=in_k, other=-1).to(tl.int32)
+    hit = ids[:, None] == cols[None, :]
+    # Read the scores out of the row vector rather than recomputing them at the gathered ids,
+    # so that ranking and piggyback selection see bit-identical values.
+    s = tl.max(tl.where(hit, sel[None, :], float("-inf")), axis=1)
+    s_i = s[:, None]
+    s_j = s[None, :]
+    beats = (s_j > s_i) | ((s_j == s_i) & (ids[None, :] < ids[:, None]))
+    rank = tl.sum((beats & in_k[None, :]).to(tl.int32), axis=1)
+    is_base = in_k & (rank < k0)
+    return ids, hit, rank, is_base
+
+
+@triton.jit
+def _mask_foreign_groups(sel, ids, cols, group_size, K: tl.constexpr, K_PAD: tl.constexpr):
+    """sel with -inf outside the expert groups that the row's routed ids lie in."""
+    in_k = tl.arange(0, K_PAD) < K
+    # in_k matters: the padding id -1 would truncate to group 0 under integer division.
+    same = ((ids[:, None] // group_size) == (cols[None, :] // group_size)) & in_k[:, None]
+    allowed = tl.max(same.to(tl.int32), axis=0) > 0
+    return tl.where(allowed, sel, float("-inf"))
+
+
+@triton.jit
+def _pick_keys(sel, in_union, held, cols, N, valid):
+    """[N_PAD] int64 keys whose descending order is the row's candidate order.
+
+    key = tier << 48 | score_bits << 16 | (0xFFFF - id). Eligible experts (in U, not held,
+    score > -inf, valid row) carry their order-preserving score bits, so equal scores fall back
+    to the lower id; fills carry no score, so they come by id ascending. Held experts and
+    padding columns get -1.
+    """
+    eligible = valid & in_union & (~held) & (sel > float("-inf"))
+    tier = tl.where(eligible, 3, tl.where(in_union, 2, 1)).to(tl.int64)
+    # -0.0 and +0.0 must tie, as they do in torch.sort.
+    s = tl.where(sel == 0.0, 0.0, sel)
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    score_part = tl.where(eligible, ordered, 0)
+    key = (tier << 48) | (score_part << 16) | (0xFFFF - cols).to(tl.int64)
+    return tl.where(held | (cols >= N), -1, key)
+
+
+@triton.jit(do_not_specialize=["num_valid", "k0"])
+def _oea_union_kernel(
+    logits_ptr,
+    bias_ptr,
+    topk_ids_ptr,
+    union_ptr,
+    num_valid_ptr,
+    num_valid,
+    k0,
+    N,
+    stride_logits,
+    stride_ids,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    VALID_FROM_PTR: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_PAD: tl.constexpr,
+):
+    """Launch 1: U[e] = 1 for every expert e in the base of some valid row.
+
+    logits [B, N], topk_ids [B, K] (any column order), bias [N] (sigmoid only), union [N] int32
+    (all zero on entry). Program r handles row r; rows >= num_valid_rows write nothing.
+    base_r = the k0 routed ids of row r with the highest selection score (ties: lower id).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    rows = _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR)
+    cols = tl.arange(0, N_PAD)
+    sel, _ = _scores(logits_ptr + row * stride_logits, bias_ptr, cols, N, SIGMOID, HAS_BIAS)
+    ids, _, _, is_base = _rank_routed(topk_ids_ptr + row * stride_ids, sel, cols, k0, K, K_PAD)
+    ones = tl.full([K_PAD], 1, tl.int32)
+    tl.store(union_ptr + ids, ones, mask=is_base & (row < rows))
+
+
+@triton.jit(do_not_specialize=["num_valid", "k0", "min_batch", "max_batch"])
+def _oea_route_kernel(
+    logits_ptr,
+    bias_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    union_ptr,
+    counter_ptr,
+    out_ids_ptr,
+    out_weights_ptr,
+    num_valid_ptr,
+    num_valid,
+    k0,
+    N,
+    group_size,
+    min_batch,
+    max_batch,
+    stride_logits,
+    stride_ids,
+    stride_weights,
+    stride_out_ids,
+    stride_out_weights,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESTRICT_GROUPS: tl.constexpr,
+    VALID_FROM_PTR: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_PAD: tl.constexpr,
+):
+    """Launch 2: OEA ids and weights of row r = program_id, then clear U after the last row.
+
+    Inputs as in launch 1, plus topk_weights [B, K], the union U written by launch 1 and
+    counter [1] int32 (zero on entry). Outputs out_ids [B, K] (topk_ids dtype) and
+    out_weights [B, K] (topk_weights dtype).
+
+    Valid row (r < num_valid_rows): slots [0, k0) = base ranked; then the best of
+    {e in U - base : sel[e] > -inf} by score (ties: lower id), active; then fills inactive.
+    Padded row: the first K experts of the fill order, all inactive.
+    Fill order: U by id ascending, then the rest by id ascending, minus held experts.
+    Weights: w_j = active_j * p[id_j] / sum_j'(active * p) * sum_j(topk_weights), 0 if the
+    active sum is 0. Gate closed: out = (topk_ids, topk_weights) bit for bit.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    rows = _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR)
+    gate = (rows >= min_batch) & ((max_batch == 0) | (rows <= max_batch))
+    valid = row < rows
+    cols = tl.arange(0, N_PAD)
+    in_row = cols < N
+    slots = tl.arange(0, K_PAD)
+    in_k = slots < K
+
+    sel, w = _scores(logits_ptr + row * stride_logits, bias_ptr, cols, N, SIGMOID, HAS_BIAS)
+    ids, hit, rank, is_base = _rank_routed(topk_ids_ptr + row * stride_ids, sel, cols, k0, K, K_PAD)
+    if RESTRICT_GROUPS:
+        # After ranking: routed experts always lie in their own groups, so their scores stand.
+        sel = _mask_foreign_groups(sel, ids, cols, group_size, K, K_PAD)
+    held = valid & (tl.max((hit & is_base[:, None]).to(tl.int32), axis=0) > 0)
+    in_union = tl.load(union_ptr + cols, mask=in_row, other=0) != 0
+    key = _pick_keys(sel, in_union, held, cols, N, valid)
+
+    # Base slots: slot s holds the routed id of rank s.
+    base_at = (rank[None, :] == slots[:, None]) & is_base[None, :]
+    first = tl.where(valid, k0, 0)
+    out = tl.where(slots < first, tl.sum(tl.where(base_at, ids[None, :], 0), axis=1), 0)
+    active = slots < first
+    # Remaining slots: repeated argmax over unique keys (the id is part of the key).
+    for t in range(0, K - first):
+        best = tl.max(key, axis=0)
+        expert = (0xFFFF - (best & 0xFFFF)).to(tl.int32)
+        here = slots == first + t
+        out = tl.where(here, expert, out)
+        active = tl.where(here, (best >> 48) == 3, active)
+        key = tl.where(cols == expert, -1, key)
+
+    # Weights, as reference.opportunistic_weights.
+    own_ids = tl.load(topk_ids_ptr + row * stride_ids + slots, mask=in_k)
+    own_w = tl.load(topk_weights_ptr + row * stride_weights + slots, mask=in_k, other=0.0)
+    p = tl.sum(tl.where(out[:, None] == cols[None, :], w[None, :], 0.0), axis=1)
+    picked = tl.where(active, p, 0.0)
+    total = tl.sum(picked, axis=0)
+    scale = tl.sum(own_w.to(tl.float32), axis=0) / tl.maximum(total, 1.1754943508222875e-38)
+    new_w = tl.where(total > 0, picked * scale, 0.0)
+
+    out_ids = tl.where(gate, out.to(own_ids.dtype), own_ids)
+    out_w = tl.where(gate, new_w.to(own_w.dtype), own_w)
+    tl.store(out_ids_ptr + row * stride_out_ids + slots, out_ids, mask=in_k)
+    tl.store(out_weights_ptr + row * stride_out_weights + slots, out_w, mask=in_k)
+
+    # Self-cleaning union: the last program to arrive (all others have read U) zeroes it.
+    # The barrier orders this program's reads of U before the release of the atomic.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        tl.store(union_ptr + cols, tl.zeros([N_PAD], tl.int32), mask=in_row)
+        tl.store(counter_ptr, 0)
+
+
+@dataclass
+class OEAWorkspace:
+    """Preallocated buffers so that `oea_route` allocates nothing (CUDA-graph capture).
+
+    union: [N] int32, all zero between calls (launch 2 clears it).
+    counter: [1] int32, zero between calls (launch 2 resets it).
+    out_ids: [max_rows, K] in the router's ids dtype; out_weights: [max_rows, K] in its
+        weights dtype. A call with B rows writes and returns views out_ids[:B], out_weights[:B].
+
+    Contract: build once per MoE layer (or share between layers of equal shape, if each
+    layer's outputs are consumed before the next call), outside graph capture. Calls that use
+    one workspace must be serialised on one stream. The returned tensors are overwritten by
+    the next call with the same workspace. Call `reset()` if a call was ever interrupted.
+    """
+
+    union: torch.Tensor
+    counter: torch.Tensor
+    out_ids: torch.Tensor
+    out_weights: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        num_experts: int,
+        top_k: int,
+        max_rows: int,
+        ids_dtype: torch.dtype = torch.int32,
+        weights_dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cuda",
+    ) -> "OEAWorkspace":
+        return cls(
+            union=torch.zeros(num_experts, dtype=torch.int32, device=device),
+            counter=torch.zeros(1, dtype=torch.int32, device=device),
+            out_ids=torch.empty(max_rows, top_k, dtype=ids_dtype, device=device),
+            out_weights=torch.empty(max_rows, top_k, dtype=weights_dtype, device=device),
+        )
+
+    def reset(self) -> None:
+        self.union.zero_()
+        self.counter.zero_()
+
+    def check(self, num_rows: int, num_experts: int, top_k: int, ids: torch.Tensor, weights: torch.Tensor):
+        assert self.union.shape == (num_experts,) and self.union.dtype == torch.int32, f"{self.union.shape=}"
+        assert self.counter.shape == (1,) and self.counter.dtype == torch.int32, f"{self.counter.shape=}"
+        assert self.out_ids.shape[0] >= num_rows and self.out_ids.shape[1] == top_k, f"{self.out_ids.shape=}"
+        assert self.out_weights.shape == self.out_ids.shape, f"{self.out_weights.shape=}"
+        assert self.out_ids.dtype == ids.dtype, f"{self.out_ids.dtype=} {ids.dtype=}"
+        assert self.out_weights.dtype == weights.dtype, f"{self.out_weights.dtype=} {weights.dtype=}"
+        assert self.union.device == ids.device, f"{self.union.device=} {ids.device=}"
+
+
+def _num_warps(n_pad: int, k_pad: int) -> int:
+    """Warps per program: the [K_PAD, N_PAD] tiles dominate; ~64 elements per thread."""
+    return max(1, min(8, (n_pad * k_pad) // 2048))
+
+
+def oea_route(
+    router_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    k0: int,
+    scoring_func: str = "softmax",
+    correction_bias: Optional[torch.Tensor] = None,
+    num_groups: int = 1,
+    restrict_groups: bool = False,
+    num_valid_rows: Optional[Union[int, torch.Tensor]] = None,
+    min_batch: int = 1,
+    max_batch: int = 0,
+    workspace: Optional[OEAWorkspace] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gated OEA routing from logits; same result as sglang_oea.routing.route_from_logits.
+
+    Args:
+        router_logits: [B, N] float logits (any float dtype, last dim contiguous).
+        topk_ids: [B, K] int32/int64 routed ids, any column order, distinct per row.
+        topk_weights: [B, K] float router weights for topk_ids.
+        k0: base size >= 1. k0 >= K returns (topk_ids, topk_weights) themselves.
+        scoring_func: "softmax" or "sigmoid"; correction_bias [N] (sigmoid, selection only).
+        num_groups, restrict_groups: as RouterSpec; candidates limited to touched groups.
+        num_valid_rows: rows past this count are padding. A 0-d or [1] int tensor on the
+            logits' device (read on the device: use this under CUDA graphs), an int, or None
+            (all B rows are real).
+        min_batch, max_batch: OEA applies iff min_batch <= rows and (max_batch == 0 or
+            rows <= max_batch); otherwise the outputs equal the inputs bit for bit.
+        workspace: preallocated buffers; None allocates them (not allowed under capture).
+    Returns:
+        ids [B, K] (topk_ids dtype) and weights [B, K] (topk_weights dtype).
+    """
+    assert router_logits.dim() == 2 and topk_ids.dim() == 2, f"{router_logits.shape=} {topk_ids.shape=}"
+    assert topk_weights.shape == topk_ids.shape, f"{topk_weights.shape=} {topk_ids.shape=}"
+    num_rows, num_experts = router_logits.shape
+    top_k = topk_ids.shape[1]
+    assert topk_ids.shape[0] == num_rows, f"{router_logits.shape=} {topk_ids.shape=}"
+    assert k0 >= 1, f"{k0=}"
+    assert 1 <= top_k <= min(num_experts, MAX_TOP_K), f"{top_k=} {num_experts=}"
+    assert num_experts <= MAX_EXPERTS, f"{num_experts=}"
+    assert scoring_func in ("softmax", "sigmoid"), f"{scoring_func=}"
+    assert not (restrict_groups and num_experts % num_groups), f"{num_experts=} {num_groups=}"
+    for t in (router_logits, topk_ids, topk_weights):
+        assert t.stride(-1) == 1 or t.shape[-1] == 1, f"last dim must be contiguous: {t.stride()=}"
+    if k0 >= top_k:
+        return topk_ids, topk_weights
+
+    if workspace is None:
+        workspace = OEAWorkspace.allocate(
+            num_experts, top_k, num_rows, topk_ids.dtype, topk_weights.dtype, router_logits.device
+        )
+    workspace.check(num_rows, num_experts, top_k, topk_ids, topk_weights)
+    out_ids = workspace.out_ids[:num_rows]
+    out_weights = workspace.out_weights[:num_rows]
+    if num_rows == 0:
+        return out_ids, out_weights
+
+    valid_from_ptr = isinstance(num_valid_rows, torch.Tensor)
+    if valid_from_ptr:
+        assert num_valid_rows.numel() == 1 and not num_valid_rows.is_floating_point(), f"{num_valid_rows=}"
+        assert num_valid_rows.device == router_logits.device, f"{num_valid_rows.device=}"
+        num_valid_ptr, num_valid = num_valid_rows, 0
+    else:
+        num_valid_ptr = workspace.counter  # unused placeholder pointer
+        num_valid = num_rows if num_valid_rows is None else int(num_valid_rows)
+    sigmoid = scoring_func == "sigmoid"
+    has_bias = sigmoid and correction_bias is not None
+    bias = correction_bias if has_bias else router_logits
+    restrict = bool(restrict_groups) and num_groups > 1
+    n_pad = triton.next_power_of_2(num_experts)
+    k_pad = triton.next_power_of_2(top_k)
+    num_warps = _num_warps(n_pad, k_pad)
+    grid = (num_rows,)
+
+    _oea_union_kernel[grid](
+        router_logits,
+        bias,
+        topk_ids,
+        workspace.union,
+        num_valid_ptr,
+        num_valid,
+        k0,
+        num_experts,
+        router_logits.stride(0),
+        topk_ids.stride(0),
+        SIGMOID=sigmoid,
+        HAS_BIAS=has_bias,
+        VALID_FROM_PTR=valid_from_ptr,
+        K=top_k,
+        K_PAD=k_pad,
+        N_PAD=n_pad,
+        num_warps=num_warps,
+    )
+    _oea_route_kernel[grid](
+        router_logits,
+        bias,
+        topk_ids,
+        topk_weights,
+        workspace.union,
+        workspace.counter,
+        out_ids,
+        out_weights,
+        num_valid_ptr,
+        num_valid,
+        k0,
+        num_experts,
+        num_experts // num_groups if restrict else num_experts,
+        min_batch,
+        max_batch,
+        router_logits.stride(0),
+        topk_ids.stride(0),
+        topk_weights.stride(0),
+        out_ids.stride(0),
+        out_weights.stride(0),
+        SIGMOID=sigmoid,
+        HAS_BIAS=has_bias,
+        RESTRICT_GROUPS=restrict,
+        VALID_FROM_PTR=valid_from_ptr,
+        K=top_k,
+        K_PAD=k_pad,
+        N_PAD=n_pad,
+        num_warps=num_warps,
+    )
+    return out_ids, out_weights

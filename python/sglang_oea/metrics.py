@@ -1,0 +1,88 @@
+"""Export OEA's counters: Prometheus (with --enable-metrics) and a line beside SGLang's decode log.
+
+Runs in scheduler processes only, once per decode-log interval; prometheus_client is imported
+here, lazily, so it picks up the multiprocess directory SGLang set before spawning.
+
+    sglang:oea_active_experts_before{model_name,tp_rank,layer}  distinct experts/step, router's own
+    sglang:oea_active_experts_after{model_name,tp_rank,layer}   distinct experts/step, after OEA
+    sglang:oea_active_experts_ratio{model_name,tp_rank}         after / before, all layers
+    sglang:oea_decode_steps_applied_total{model_name,tp_rank}
+    sglang:oea_decode_steps_skipped_total{model_name,tp_rank,reason}
+    sglang:oea_k0{model_name,tp_rank}
+Expert counts are averaged over the decode steps where OEA applied in the last interval.
+"""
+
+import logging
+from typing import Any, Dict, Optional
+
+from sglang_oea.runtime import OEARuntime
+
+logger = logging.getLogger("sglang_oea")
+
+
+class PrometheusExport:
+    """The OEA metrics of one rank, and the counter values already exported."""
+
+    def __init__(self, model_name: str, rank: int, k0: int):
+        from prometheus_client import Counter, Gauge
+
+        labels = {"model_name": model_name, "tp_rank": str(rank)}
+        self.labels = labels
+        names = list(labels)
+        self.before = Gauge("sglang:oea_active_experts_before", "Distinct experts per MoE layer per decode step, router's own choice", names + ["layer"], multiprocess_mode="mostrecent")
+        self.after = Gauge("sglang:oea_active_experts_after", "Distinct experts per MoE layer per decode step, after OEA", names + ["layer"], multiprocess_mode="mostrecent")
+        self.ratio = Gauge("sglang:oea_active_experts_ratio", "Distinct experts after OEA / before, all MoE layers", names, multiprocess_mode="mostrecent")
+        self.applied = Counter("sglang:oea_decode_steps_applied", "Decode steps routed with OEA", names)
+        self.skipped = Counter("sglang:oea_decode_steps_skipped", "Forward steps where OEA did not apply", names + ["reason"])
+        k0_gauge = Gauge("sglang:oea_k0", "The k0 in force", names, multiprocess_mode="mostrecent")
+        k0_gauge.labels(**labels).set(k0)
+        self.exported_applied = 0
+        self.exported_skipped: Dict[str, int] = {}
+
+    def publish(self, runtime: OEARuntime, layers: Optional[Any]) -> None:
+        if layers is not None:
+            for layer, (steps, before, after) in enumerate_layers(layers):
+                self.before.labels(**self.labels, layer=str(layer)).set(before / steps)
+                self.after.labels(**self.labels, layer=str(layer)).set(after / steps)
+            self.ratio.labels(**self.labels).set(float(layers[:, 2].sum() / layers[:, 1].sum()))
+        self.applied.labels(**self.labels).inc(runtime.applied_steps - self.exported_applied)
+        self.exported_applied = runtime.applied_steps
+        for reason, count in runtime.skipped_steps.items():
+            self.skipped.labels(**self.labels, reason=reason).inc(count - self.exported_skipped.get(reason, 0))
+            self.exported_skipped[reason] = count
+
+
+def enumerate_layers(layers: Any):
+    """Yield (layer_id, (steps, before_sum, after_sum)) from drained [L, 4] rows."""
+    for row in layers.tolist():
+        yield int(row[3]), row[:3]
+
+
+_export: Optional[PrometheusExport] = None
+
+
+def attach(runtime: OEARuntime, scheduler: Any) -> None:
+    """Create this rank's Prometheus metrics when SGLang's metrics are on."""
+    global _export
+    server_args = scheduler.server_args
+    if not getattr(server_args, "enable_metrics", False):
+        return
+    name = getattr(server_args, "served_model_name", None) or server_args.model_path
+    _export = PrometheusExport(str(name), runtime.rank, runtime.cfg.k0)
+
+
+def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:
+    """The short OEA line logged after SGLang's 'Decode batch' line."""
+    text = f"OEA k0={runtime.cfg.k0}: applied {runtime.applied_steps}/{runtime.decode_steps} decode steps"
+    if layers is None:
+        return text
+    steps, before, after = (float(v) for v in layers[:, :3].sum(dim=0))
+    return f"{text}, experts/layer/step {before / steps:.1f} -> {after / steps:.1f} ({after / before:.2f}x)"
+
+
+def report(runtime: OEARuntime) -> None:
+    """Read the device counters once (one sync per log interval) and publish them."""
+    layers = runtime.stats.drain() if runtime.stats is not None else None
+    if _export is not None:
+        _export.publish(runtime, layers)
+    logger.info(summary(runtime, layers))

@@ -1,0 +1,183 @@
+"""Per-process OEA state and the routing step the SGLang hook calls. No SGLang import.
+
+One OEARuntime lives in each scheduler / TP-worker process. The forward-context hook tells it
+what kind of step is running (decode or not, how many real rows); the routing hook hands it
+SGLang's top-k output, and it returns the OEA ids and weights, or None to leave them alone.
+Statistics are kept on the device and read by the host once per decode-log interval.
+"""
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from sglang_oea.config import OEAConfig
+from sglang_oea.reference import distinct_experts
+from sglang_oea.routing import RouterSpec, route_from_logits
+
+logger = logging.getLogger(__name__)
+
+SKIP_BELOW_MIN = "below_min_batch"
+SKIP_ABOVE_MAX = "above_max_batch"
+SKIP_NOT_DECODE = "not_decode"
+MAX_LAYERS = 1024
+
+
+@dataclass
+class StepInfo:
+    """What the current forward pass is: set by the forward-context hook."""
+
+    decode: bool = False
+    num_rows: int = 0
+    apply: bool = False
+    index: int = -1
+
+
+def router_spec_of(topk_config: Any) -> RouterSpec:
+    """RouterSpec from SGLang's TopKConfig (read by attribute, so no SGLang import)."""
+    num_groups = topk_config.num_expert_group or 1
+    grouped = bool(topk_config.use_grouped_topk) and num_groups > 1
+    return RouterSpec(
+        scoring_func=topk_config.scoring_func,
+        correction_bias=topk_config.correction_bias,
+        num_groups=num_groups,
+        restrict_groups=grouped and (topk_config.topk_group or num_groups) < num_groups,
+    )
+
+
+class ExpertStats:
+    """Device-side sums of distinct experts per MoE layer, before and after OEA.
+
+    sums: [MAX_LAYERS, 3] float64 on the routing device: (steps, T before, T after) per layer.
+    """
+
+    def __init__(self):
+        self.sums: Optional[torch.Tensor] = None
+
+    def add(self, layer_id: int, before: torch.Tensor, after: torch.Tensor) -> None:
+        if self.sums is None:
+            self.sums = torch.zeros(MAX_LAYERS, 3, dtype=torch.float64, device=before.device)
+        row = torch.stack([torch.ones_like(before), before, after]).to(torch.float64)
+        self.sums[layer_id].add_(row)
+
+    def drain(self) -> Optional[torch.Tensor]:
+        """[L, 4] host rows (steps, T before, T after, layer id) of the layers seen since the
+        last drain, or None; one device sync, then the sums restart from zero."""
+        if self.sums is None:
+            return None
+        host = self.sums.to("cpu", copy=True)
+        self.sums.zero_()
+        layer_ids = torch.arange(MAX_LAYERS, dtype=torch.float64)[:, None]
+        rows = torch.cat([host, layer_ids], dim=1)[host[:, 0] > 0]
+        return rows if rows.shape[0] else None
+
+
+class RouterDump:
+    """Writes decode-step router logits for benchmark/oea/simulate.py, for a bounded step count."""
+
+    def __init__(self, directory: str, max_steps: int, rank: int):
+        self.directory, self.max_steps, self.rank = directory, max_steps, rank
+        self.steps_seen = set()
+        os.makedirs(directory, exist_ok=True)
+
+    def wants(self, step: int) -> bool:
+        return step in self.steps_seen or len(self.steps_seen) < self.max_steps
+
+    def write(self, step: int, layer_id: int, router_logits: torch.Tensor, topk_config: Any, top_k: int) -> None:
+        self.steps_seen.add(step)
+        bias = topk_config.correction_bias
+        record = {
+            "router_logits": router_logits.detach().float().cpu(),
+            "layer_id": layer_id,
+            "step": step,
+            "batch_size": router_logits.shape[0],
+            "top_k": top_k,
+            "scoring_func": topk_config.scoring_func,
+            "correction_bias": None if bias is None else bias.detach().float().cpu(),
+            "num_expert_group": topk_config.num_expert_group or 1,
+            "topk_group": topk_config.topk_group or 1,
+        }
+        name = f"rank{self.rank}_step{step:06d}_layer{layer_id:03d}.pt"
+        torch.save(record, os.path.join(self.directory, name))
+
+
+class OEARuntime:
+    """OEA for one process: gate, route, count."""
+
+    def __init__(self, cfg: OEAConfig, rank: int = 0):
+        self.cfg = cfg
+        self.rank = rank
+        self.step = StepInfo()
+        self.decode_steps = 0
+        self.applied_steps = 0
+        self.skipped_steps: Counter = Counter()
+        self.stats = ExpertStats() if cfg.stats else None
+        self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
+        self.depth = 0  # nesting of SGLang forward contexts
+
+    def skip_reason(self, decode: bool, num_rows: int) -> Optional[str]:
+        """Why OEA does not apply to this forward pass, or None when it does."""
+        if not decode:
+            return SKIP_NOT_DECODE
+        if num_rows < self.cfg.min_batch:
+            return SKIP_BELOW_MIN
+        if self.cfg.max_batch and num_rows > self.cfg.max_batch:
+            return SKIP_ABOVE_MAX
+        return None
+
+    def begin_step(self, decode: bool, num_rows: int, count: bool = True) -> StepInfo:
+        """Enter a forward pass (host ints only: no device sync); returns the previous step.
+
+        count=False re-enters the pass already counted (SGLang nests its forward contexts).
+        """
+        previous = self.step
+        reason = self.skip_reason(decode, num_rows)
+        index = self.decode_steps - int(not count) if decode else previous.index
+        self.step = StepInfo(decode=decode, num_rows=num_rows, apply=reason is None, index=index)
+        if not count:
+            return previous
+        self.decode_steps += int(decode)
+        if reason is None:
+            self.applied_steps += 1
+        else:
+            self.skipped_steps[reason] += 1
+        return previous
+
+    def route(
+        self,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_config: Any,
+        router_logits: torch.Tensor,
+        layer_id: Optional[int],
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """OEA ids and weights for SGLang's top-k output, or None to keep the router's.
+
+        Args:
+            topk_ids: [B, K + S] int32, K routed columns then S fused shared-expert columns.
+            topk_weights: [B, K + S] float.
+            router_logits: [B, N] raw router logits.
+        """
+        # Draft-model MoE blocks opt out of routed-expert capture; OEA leaves them alone too.
+        if not self.step.decode or not topk_config.allow_routed_experts_capture:
+            return None
+        num_shared = topk_config.num_shared_topk_slots if topk_ids.shape[1] == topk_config.top_k else 0
+        routed = topk_ids.shape[1] - num_shared
+        layer = layer_id or 0
+        if self.dump is not None and self.dump.wants(self.step.index):
+            self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], topk_config, routed)
+        if not self.step.apply or self.cfg.k0 >= routed:
+            return None
+        ids, weights = route_from_logits(
+            router_logits, topk_ids[:, :routed], topk_weights[:, :routed],
+            router_spec_of(topk_config), self.cfg.k0, self.step.num_rows,
+        )
+        if self.stats is not None:
+            num_experts = router_logits.shape[1]
+            before = distinct_experts(topk_ids[:, :routed], num_experts, self.step.num_rows)
+            self.stats.add(layer, before, distinct_experts(ids, num_experts, self.step.num_rows))
+        ids = torch.cat([ids.to(topk_ids.dtype), topk_ids[:, routed:]], dim=1)
+        return ids, torch.cat([weights, topk_weights[:, routed:]], dim=1)

@@ -1,0 +1,162 @@
+"""Write a tiny MoE model directory (config.json + tokenizer) that `--load-format dummy` can serve.
+
+    python -m sglang_oea.tiny_model --arch qwen3_moe --out DIR [--num-experts 128 --top-k 8 ...]
+
+qwen3_moe: softmax routing (Qwen3MoeForCausalLM).
+glm4_moe:  sigmoid routing with a correction bias, expert groups and a shared expert
+           (Glm4MoeForCausalLM), the routing family of GLM-4.5 and GLM-5.
+The tokenizer is a small byte-level BPE trained here on a fixed text, so nothing is downloaded.
+"""
+
+import argparse
+import json
+import os
+from typing import Dict, List, Optional
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CORPUS_LINE = (
+    "Opportunistic expert activation keeps each token's best experts and lets it borrow the "
+    "experts its batch already loads. Mixture of experts decode is memory bound, so fewer "
+    "distinct experts per step means less weight traffic. 0123456789 ,.;:!?()[]{}<>+-*/=_'\""
+)
+
+
+def train_tokenizer(out_dir: str, vocab_size: int) -> int:
+    """Train a byte-level BPE on a fixed corpus; write tokenizer files; return the vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([CORPUS_LINE] * 64, trainer=trainer)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "bos_token": None,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config)
+    _write_json(os.path.join(out_dir, "special_tokens_map.json"), {"eos_token": "<|endoftext|>"})
+    return tokenizer.get_vocab_size()
+
+
+def common_config(args: argparse.Namespace, vocab_size: int, eos_id: int) -> Dict:
+    """Fields both architectures share."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.hidden_size * 2,
+        "moe_intermediate_size": args.moe_intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_heads,
+        "head_dim": args.hidden_size // args.num_heads,
+        "num_experts_per_tok": args.top_k,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+
+def qwen3_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
+    """Qwen3-MoE: softmax routing over num_experts, renormalised top-k."""
+    return {
+        **base,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": args.num_experts,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    }
+
+
+def glm4_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
+    """GLM-4 MoE: sigmoid + correction bias (noaux_tc), grouped routing, one shared expert."""
+    return {
+        **base,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "n_routed_experts": args.num_experts,
+        "n_shared_experts": 1,
+        "n_group": args.num_groups,
+        "topk_group": args.topk_group,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def write_model(args: argparse.Namespace) -> str:
+    """Write config.json and tokenizer files into args.out; return the directory."""
+    os.makedirs(args.out, exist_ok=True)
+    vocab_size = train_tokenizer(args.out, args.vocab_size)
+    base = common_config(args, vocab_size, eos_id=SPECIAL_TOKENS.index("<|endoftext|>"))
+    build = qwen3_moe_config if args.arch == "qwen3_moe" else glm4_moe_config
+    _write_json(os.path.join(args.out, "config.json"), build(args, base))
+    _write_json(os.path.join(args.out, "generation_config.json"), {"eos_token_id": base["eos_token_id"]})
+    return args.out
+
+
+def _write_json(path: str, payload: Dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang_oea.tiny_model", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", choices=["qwen3_moe", "glm4_moe"], required=True)
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--num-experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--moe-intermediate-size", type=int, default=384)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-groups", type=int, default=8, help="glm4_moe: expert groups (n_group)")
+    p.add_argument("--topk-group", type=int, default=4, help="glm4_moe: groups each token may use")
+    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size to train")
+    args = p.parse_args(argv)
+    if args.top_k > args.num_experts:
+        p.error(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
+    if args.arch == "glm4_moe" and args.num_experts % args.num_groups:
+        p.error(f"--num-experts ({args.num_experts}) must be divisible by --num-groups ({args.num_groups})")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    print(write_model(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
