@@ -1,0 +1,623 @@
+"""A/B serving benchmark: SGLang with Opportunistic Expert Activation (--oea-k0) against without.
+
+Modes
+  1. Launch (default): starts the baseline server, measures it, stops it, then one OEA server per
+     --k0 value, one after the other (never two at once), with identical settings: the OEA arms add
+     only the --oea-* flags. Each server's whole process group is killed at the end, also on error
+     or Ctrl-C.
+  2. URLs: --baseline-url URL --oea-url URL [URL ...] measures servers that are already running.
+  3. Report only: --from-jsonl FILE rebuilds the table and the plot from an earlier run.
+
+Every arm runs `python -m sglang.benchmark.serving` (random-ids prompts of fixed length, tokenized
+client side, cache flushed before each run) at every concurrency in --concurrency, --repeats times;
+repeat r uses seed --seed + r in every arm, so both arms see the same prompts. A warm-up run comes
+before the measured runs of each server.
+
+Outputs in --out-dir: results.jsonl (one line per run), results.md (medians over repeats, and the
+OEA/baseline throughput ratio paired by repeat with its min-max), results.png, server and bench logs.
+
+    # GPU box, real model (see README.md)
+    python benchmark/oea/ab_serving.py --model-path /models/GLM-5-NVFP4 --k0 3 4 5 \
+        --out-dir ab_glm5 -- --tp-size 8 --moe-runner-backend flashinfer_cutlass
+    # this CPU machine, tiny dummy-weight model
+    python benchmark/oea/ab_serving.py --cpu --model-path /tmp/tiny --k0 4 --out-dir ab_cpu \
+        -- --load-format dummy
+    # CI smoke (builds a tiny model when --model-path is absent)
+    python benchmark/oea/ab_serving.py --smoke --out-dir /tmp/oea_smoke
+    # report only
+    python benchmark/oea/ab_serving.py --from-jsonl ab_cpu/results.jsonl --out-dir ab_cpu
+
+Everything after `--` (and --server-args "...") goes to both servers unchanged.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import _report  # noqa: E402
+
+GPU_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+CPU_CONCURRENCIES = [1, 4, 16, 32, 64]
+SMOKE_CONCURRENCIES = [1, 2]
+
+# bench_serving result keys kept in results.jsonl (the rest, e.g. server_info, is left out).
+_DROP_KEYS = ("server_info", "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
+
+
+def log(msg: str) -> None:
+    print(f"[ab] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP helpers (standard library only)
+# ----------------------------------------------------------------------------------------------
+
+
+def http_get(url: str, timeout: float = 5.0) -> Optional[str]:
+    """Body of a 200 answer, or None on any error."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            if resp.status == 200:
+                return resp.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    return None
+
+
+def wait_ready(base_url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None,
+               log_path: Optional[str] = None) -> None:
+    """Wait until /health and /v1/models both answer 200; raise on timeout or if proc exits."""
+    start = time.time()
+    while True:
+        if http_get(base_url + "/health") is not None and http_get(base_url + "/v1/models") is not None:
+            log(f"server at {base_url} ready after {time.time() - start:.0f}s")
+            return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming ready"
+                               + _log_tail(log_path))
+        if time.time() - start > timeout_s:
+            raise TimeoutError(f"server at {base_url} not ready after {timeout_s:.0f}s" + _log_tail(log_path))
+        time.sleep(1.0)
+
+
+def _log_tail(path: Optional[str], lines: int = 40) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        tail = f.readlines()[-lines:]
+    return f"\n--- last {len(tail)} lines of {path} ---\n" + "".join(tail)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def scrape_oea_metrics(base_url: str) -> Optional[Dict[str, float]]:
+    """Prometheus samples whose name contains 'oea' (case-insensitive), or None without /metrics."""
+    body = http_get(base_url + "/metrics")
+    if body is None:
+        return None
+    out = {}
+    for line in body.splitlines():
+        if not line or line.startswith("#") or "oea" not in line.split("{")[0].split(" ")[0].lower():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Servers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    name: str
+    k0: Optional[int]
+    url: Optional[str] = None  # URL mode
+    extra_args: Sequence[str] = ()  # --oea-* flags (launch mode)
+
+
+class Server:
+    """One server in its own session (process group); `stop` kills the whole group."""
+
+    def __init__(self, cmd: List[str], log_path: str, env: Dict[str, str]):
+        self.cmd, self.log_path = cmd, log_path
+        self._log = open(log_path, "w")
+        log("starting: " + shlex.join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the server (its own clean shutdown), then to the whole group, then SIGKILL."""
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        if self.proc.poll() is None:
+            _send(os.kill, pgid, signal.SIGTERM)
+            _wait_until(lambda: self.proc.poll() is not None, grace_s)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _group_alive(pgid):
+                break
+            _send(os.killpg, pgid, sig)
+            _wait_until(lambda: self.proc.poll() is not None and not _group_alive(pgid), 10.0)
+        self.proc.poll()
+        self._log.close()
+        log(f"server stopped (exit code {self.proc.returncode})")
+
+
+def _send(fn, pid: int, sig: int) -> None:
+    try:
+        fn(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_until(cond, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while not cond() and time.time() < deadline:
+        time.sleep(0.25)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def launcher_command(args) -> List[str]:
+    if args.launcher:
+        cmd = shlex.split(args.launcher)
+    elif args.cpu:
+        cmd = [sys.executable, "-m", "sglang_oea.cpu_serve"]
+    else:
+        cmd = ["sglang", "serve"]
+    if cmd and cmd[0] == "sglang" and shutil.which("sglang") is None:
+        sibling = os.path.join(os.path.dirname(sys.executable), "sglang")
+        if os.path.exists(sibling):
+            cmd[0] = sibling
+    return cmd
+
+
+def child_env() -> Dict[str, str]:
+    """The environment of servers and clients: sglang_oea importable from this checkout if needed."""
+    env = dict(os.environ)
+    if importlib.util.find_spec("sglang_oea") is None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.path.join(_REPO, "python"), env.get("PYTHONPATH")) if p)
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_serving
+# ----------------------------------------------------------------------------------------------
+
+
+def num_prompts_for(concurrency: int, args) -> int:
+    if args.num_prompts:
+        return args.num_prompts
+    return max(args.prompts_per_concurrency * concurrency, args.min_prompts)
+
+
+def bench_command(args, base_url: str, concurrency: int, num_prompts: int, seed: int,
+                  output_len: int, output_file: str) -> List[str]:
+    host_port = urllib.parse.urlparse(base_url)
+    prefix = shlex.split(args.bench_cmd) if args.bench_cmd else [sys.executable, "-m", "sglang.benchmark.serving"]
+    cmd = prefix + ["--backend", "sglang",
+           "--host", host_port.hostname, "--port", str(host_port.port),
+           "--tokenizer", args.tokenizer, "--dataset-name", "random-ids", "--tokenize-prompt",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(output_len),
+           "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--seed", str(seed),
+           "--output-file", output_file, "--disable-tqdm"]
+    if args.flush_cache:
+        cmd.append("--flush-cache")
+    return cmd + shlex.split(args.bench_args or "")
+
+
+def run_bench(cmd: List[str], output_file: str, log_path: str, timeout_s: float, env) -> dict:
+    """Run one bench_serving; return its JSON result (the last line it appended)."""
+    if os.path.exists(output_file):
+        os.remove(output_file)
+    with open(log_path, "w") as logf:
+        logf.write(shlex.join(cmd) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"bench_serving timed out after {timeout_s:.0f}s" + _log_tail(log_path, 20))
+        except BaseException:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise
+    if rc != 0 or not os.path.exists(output_file):
+        raise RuntimeError(f"bench_serving failed (exit code {rc})" + _log_tail(log_path, 20))
+    with open(output_file) as f:
+        lines = [line for line in f if line.strip()]
+    if not lines:
+        raise RuntimeError("bench_serving wrote no result" + _log_tail(log_path, 20))
+    return json.loads(lines[-1])
+
+
+def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional[Server],
+                counter: List[int], total_runs: int) -> int:
+    """Warm-up, then every (repeat, concurrency) run of one arm; appends records to jsonl_path."""
+    env = child_env()
+    runs_dir = os.path.join(args.out_dir, "runs")
+    os.makedirs(runs_dir, exist_ok=True)
+    info = http_get(base_url + "/get_server_info")
+    if info is not None:
+        with open(os.path.join(args.out_dir, f"server_info_{arm.name}.json"), "w") as f:
+            f.write(info)
+
+    if args.warmup_prompts > 0:
+        wc = min(args.warmup_prompts, max(args.concurrency))
+        out = os.path.join(runs_dir, f"{arm.name}_warmup.jsonl")
+        cmd = bench_command(args, base_url, wc, args.warmup_prompts, args.seed + 10_000,
+                            args.warmup_output_len or args.output_len, out)
+        t0 = time.time()
+        run_bench(cmd, out, out.replace(".jsonl", ".log"), args.run_timeout, env)
+        log(f"{arm.name}: warm-up ({args.warmup_prompts} prompts at C={wc}) done in {time.time() - t0:.0f}s")
+
+    failures = 0
+    for rep in range(args.repeats):
+        for conc in args.concurrency:
+            counter[0] += 1
+            seed = args.seed + rep
+            n = num_prompts_for(conc, args)
+            stem = os.path.join(runs_dir, f"{arm.name}_c{conc}_r{rep}")
+            record = {"arm": arm.name, "k0": arm.k0, "concurrency": conc, "repeat": rep, "seed": seed,
+                      "num_prompts": n, "input_len": args.input_len, "output_len": args.output_len,
+                      "oea_min_batch": args.oea_min_batch if arm.k0 is not None else None,
+                      "oea_max_batch": args.oea_max_batch if arm.k0 is not None else None,
+                      "url": base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            before = scrape_oea_metrics(base_url)
+            t0 = time.time()
+            try:
+                if server is not None and not server.alive():
+                    raise RuntimeError("server process died" + _log_tail(server.log_path, 20))
+                result = run_bench(bench_command(args, base_url, conc, n, seed, args.output_len, stem + ".jsonl"),
+                                   stem + ".jsonl", stem + ".log", args.run_timeout, env)
+            except RuntimeError as e:
+                failures += 1
+                record["error"] = str(e).splitlines()[0]
+                record["wall_s"] = round(time.time() - t0, 2)
+                _append(jsonl_path, record)
+                log(f"{arm.name:>10}  C={conc:<5} rep {rep + 1}/{args.repeats}  FAILED: {e}")
+                if server is not None and not server.alive():
+                    log(f"{arm.name}: server died; skipping its remaining runs")
+                    return failures
+                continue
+            for key, value in result.items():
+                if key not in _DROP_KEYS:
+                    # bench_serving's "concurrency" is the achieved mean; ours is the requested C
+                    record[f"bench_{key}" if key in record else key] = value
+            record["wall_s"] = round(time.time() - t0, 2)
+            after = scrape_oea_metrics(base_url)
+            if after is not None:
+                record["oea_metrics"] = after
+                if before is not None:
+                    record["oea_metrics_delta"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            _append(jsonl_path, record)
+            log(f"{arm.name:>10}  C={conc:<5} rep {rep + 1}/{args.repeats}  seed {seed}  "
+                f"{result.get('output_throughput', float('nan')):9.1f} tok/s  "
+                f"TPOT {result.get('median_tpot_ms') or float('nan'):8.2f} ms  "
+                f"({record['wall_s']:.0f}s)  [run {counter[0]}/{total_runs}]")
+    return failures
+
+
+def _append(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+
+
+def write_report(jsonl_path: str, out_dir: str, title: Optional[str] = None) -> _report.Summary:
+    """results.md and results.png from a JSONL; prints the table."""
+    records = _report.load_jsonl(jsonl_path)
+    summary = _report.summarize(records)
+    table = _report.markdown_table(summary, title)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(table)
+    png = os.path.join(out_dir, "results.png")
+    if summary.concurrencies:
+        _report.plot(summary, png, title)
+    print()
+    print(table)
+    log(f"wrote {os.path.join(out_dir, 'results.md')} and {png}")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def _split_passthrough(argv: Sequence[str]):
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("what to measure")
+    src.add_argument("--model-path", help="model directory or hub id (launch mode)")
+    src.add_argument("--tokenizer", help="tokenizer for bench_serving (default: --model-path)")
+    src.add_argument("--server-args", default="", help="extra server arguments, one string (also: after --)")
+    src.add_argument("--launcher", help="server command (default 'sglang serve'; with --cpu "
+                                        "'python -m sglang_oea.cpu_serve')")
+    src.add_argument("--cpu", action="store_true", help="CPU-only machine: sglang_oea.cpu_serve, CPU-sized defaults")
+    src.add_argument("--host", default="127.0.0.1")
+    src.add_argument("--port", type=int, default=30000)
+    src.add_argument("--baseline-url", help="URL mode: an already running server without OEA")
+    src.add_argument("--oea-url", nargs="+", help="URL mode: already running OEA server(s) (label them with --k0)")
+    src.add_argument("--from-jsonl", help="only rebuild results.md/results.png from this JSONL")
+    src.add_argument("--title", help="title of the table and plot")
+
+    oea = p.add_argument_group("OEA arms")
+    oea.add_argument("--k0", type=int, nargs="+", default=None, help="one OEA arm per value (default 4)")
+    oea.add_argument("--oea-min-batch", type=int, help="passed to every OEA server")
+    oea.add_argument("--oea-max-batch", type=int, help="passed to every OEA server (0 = no cap)")
+    oea.add_argument("--skip-baseline", action="store_true", help="launch mode: OEA arms only")
+
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--concurrency", type=int, nargs="+",
+                    help=f"default {GPU_CONCURRENCIES}; with --cpu {CPU_CONCURRENCIES}")
+    wl.add_argument("--repeats", type=int, help="default 3 (--smoke: 1)")
+    wl.add_argument("--seed", type=int, default=1, help="repeat r uses seed + r in every arm")
+    wl.add_argument("--input-len", type=int, help="prompt tokens (default 1024; --cpu 64)")
+    wl.add_argument("--output-len", type=int, help="output tokens (default 256; --cpu 64)")
+    wl.add_argument("--num-prompts", type=int, help="fixed prompt count for every concurrency")
+    wl.add_argument("--prompts-per-concurrency", type=int, help="num prompts = max(this * C, --min-prompts) "
+                                                                "(default 4; --cpu 2)")
+    wl.add_argument("--min-prompts", type=int, help="default 32; --cpu 8")
+    wl.add_argument("--warmup-prompts", type=int, help="warm-up prompts per server (default 64; --cpu 8; 0 = none)")
+    wl.add_argument("--warmup-output-len", type=int, default=32)
+    wl.add_argument("--no-flush-cache", dest="flush_cache", action="store_false",
+                    help="do not flush the server's prefix cache before each measured run")
+    wl.add_argument("--bench-args", help="extra bench_serving arguments, one string")
+    wl.add_argument("--bench-cmd", help="client command (default: python -m sglang.benchmark.serving)")
+
+    ops = p.add_argument_group("operation")
+    ops.add_argument("--out-dir", default="oea_ab_out")
+    ops.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for a server")
+    ops.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one bench_serving run")
+    ops.add_argument("--cooldown", type=float, default=5.0, help="seconds between stopping and starting servers")
+    ops.add_argument("--smoke", action="store_true",
+                     help="CI smoke: --cpu, C=1 2, 4 prompts, 1 repeat, tiny model if none given; "
+                          "exits non-zero unless every run produced a result")
+    return p
+
+
+def apply_defaults(args) -> None:
+    if args.smoke:
+        args.cpu = True
+        args.concurrency = args.concurrency or SMOKE_CONCURRENCIES
+        args.repeats = args.repeats or 1
+        args.num_prompts = args.num_prompts or 4
+        args.input_len = args.input_len or 16
+        args.output_len = args.output_len or 8
+        args.warmup_prompts = 0 if args.warmup_prompts is None else args.warmup_prompts  # bench warms up too
+        args.warmup_output_len = min(args.warmup_output_len, 8)
+        args.ready_timeout = min(args.ready_timeout, 600.0)
+        args.run_timeout = min(args.run_timeout, 600.0)
+    cpu = args.cpu
+    args.repeats = args.repeats or 3
+    args.tokenizer = args.tokenizer or args.model_path
+    args.k0 = args.k0 or ([4] if not args.oea_url else None)
+    args.concurrency = args.concurrency or (CPU_CONCURRENCIES if cpu else GPU_CONCURRENCIES)
+    args.input_len = args.input_len or (64 if cpu else 1024)
+    args.output_len = args.output_len or (64 if cpu else 256)
+    args.prompts_per_concurrency = args.prompts_per_concurrency or (2 if cpu else 4)
+    args.min_prompts = args.min_prompts or (8 if cpu else 32)
+    args.warmup_prompts = (8 if cpu else 64) if args.warmup_prompts is None else args.warmup_prompts
+
+
+def oea_flags(k0: int, args) -> List[str]:
+    flags = ["--oea-k0", str(k0)]
+    if args.oea_min_batch is not None:
+        flags += ["--oea-min-batch", str(args.oea_min_batch)]
+    if args.oea_max_batch is not None:
+        flags += ["--oea-max-batch", str(args.oea_max_batch)]
+    return flags
+
+
+def make_tiny_model(out_dir: str) -> str:
+    """A tiny Qwen3-MoE config + tokenizer (dummy weights) for the smoke run."""
+    model_dir = os.path.join(out_dir, "tiny_model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        cmd = [sys.executable, "-m", "sglang_oea.tiny_model", "--arch", "qwen3_moe", "--out", model_dir,
+               "--num-experts", "32", "--top-k", "4", "--hidden-size", "128",
+               "--moe-intermediate-size", "64", "--num-layers", "2"]
+        log("building tiny model: " + shlex.join(cmd))
+        subprocess.run(cmd, check=True, env=child_env())
+    return model_dir
+
+
+def run(args, server_args: List[str]) -> int:
+    os.makedirs(args.out_dir, exist_ok=True)
+    jsonl_path = os.path.join(args.out_dir, "results.jsonl")
+    if os.path.exists(jsonl_path):
+        backup = jsonl_path + time.strftime(".%Y%m%d-%H%M%S.bak")
+        os.replace(jsonl_path, backup)
+        log(f"moved the previous {jsonl_path} to {backup}")
+
+    url_mode = bool(args.baseline_url or args.oea_url)
+    if url_mode:
+        if not args.tokenizer:
+            raise SystemExit("URL mode needs --tokenizer (the served model's tokenizer directory or id)")
+        arms = []
+        if args.baseline_url:
+            arms.append(Arm(_report.BASELINE, None, url=args.baseline_url.rstrip("/")))
+        labels = args.k0 if args.k0 and len(args.k0) == len(args.oea_url or []) else None
+        if args.oea_url and args.k0 and labels is None:
+            raise SystemExit("--k0 must give one value per --oea-url")
+        for i, url in enumerate(args.oea_url or []):
+            k0 = labels[i] if labels else None
+            name = _report.arm_name(k0) if k0 is not None else ("oea" if i == 0 else f"oea#{i + 1}")
+            arms.append(Arm(name, k0, url=url.rstrip("/")))
+    else:
+        if args.smoke and not args.model_path:
+            args.model_path = make_tiny_model(args.out_dir)
+            if "--load-format" not in server_args:
+                server_args = server_args + ["--load-format", "dummy"]
+        if not args.model_path:
+            raise SystemExit("give --model-path (launch mode), --baseline-url/--oea-url, or --from-jsonl")
+        args.tokenizer = args.tokenizer or args.model_path
+        arms = [] if args.skip_baseline else [Arm(_report.BASELINE, None)]
+        arms += [Arm(_report.arm_name(k0), k0, extra_args=oea_flags(k0, args)) for k0 in args.k0]
+
+    total = len(arms) * len(args.concurrency) * args.repeats
+    log(f"{len(arms)} arms x {len(args.concurrency)} concurrencies x {args.repeats} repeats = {total} runs; "
+        f"input {args.input_len}, output {args.output_len} tokens; out-dir {args.out_dir}")
+    with open(os.path.join(args.out_dir, "command.txt"), "w") as f:
+        f.write(shlex.join([sys.executable] + sys.argv) + "\n")
+
+    counter = [0]
+    failures = 0
+    try:
+        for i, arm in enumerate(arms):
+            if arm.url:
+                wait_ready(arm.url, args.ready_timeout)
+                failures += measure_arm(arm, arm.url, args, jsonl_path, None, counter, total)
+                continue
+            if port_in_use(args.host, args.port):
+                raise RuntimeError(f"{args.host}:{args.port} is already in use; stop that server or pick --port")
+            base_url = f"http://{args.host}:{args.port}"
+            cmd = launcher_command(args) + ["--model-path", args.model_path, "--host", args.host,
+                                            "--port", str(args.port)] + list(server_args) + list(arm.extra_args)
+            server = Server(cmd, os.path.join(args.out_dir, f"server_{arm.name}.log"), child_env())
+            try:
+                wait_ready(base_url, args.ready_timeout, server.proc, server.log_path)
+                failures += measure_arm(arm, base_url, args, jsonl_path, server, counter, total)
+            finally:
+                server.stop()
+            deadline = time.time() + 60
+            while port_in_use(args.host, args.port) and time.time() < deadline:
+                time.sleep(1.0)
+            if i + 1 < len(arms):
+                time.sleep(args.cooldown)
+    finally:
+        if os.path.exists(jsonl_path):
+            write_report(jsonl_path, args.out_dir, args.title)
+    return failures
+
+
+def run_smoke(out_dir: str, model_path: Optional[str] = None, k0: int = 4,
+              concurrencies: Sequence[int] = (1, 2), num_prompts: int = 4,
+              server_args: Sequence[str] = (), port: int = 30000) -> _report.Summary:
+    """Baseline vs OEA k0 on CPU servers at two concurrencies with a few prompts; raises on failure.
+
+    Builds a tiny dummy-weight Qwen3-MoE when model_path is None. Returns the report summary.
+    """
+    argv = ["--smoke", "--out-dir", out_dir, "--k0", str(k0), "--port", str(port),
+            "--num-prompts", str(num_prompts), "--concurrency", *map(str, concurrencies)]
+    if model_path:
+        argv += ["--model-path", model_path]
+    args = build_parser().parse_args(argv)
+    apply_defaults(args)
+    sargs = list(server_args)
+    if model_path and "--load-format" not in sargs:
+        sargs += ["--load-format", "dummy"]
+    failures = run(args, sargs)
+    summary = _report.summarize(_report.load_jsonl(os.path.join(out_dir, "results.jsonl")))
+    check_smoke(summary, out_dir, len(concurrencies), failures)
+    return summary
+
+
+def check_smoke(summary: _report.Summary, out_dir: str, n_conc: int, failures: int) -> None:
+    problems = []
+    if failures:
+        problems.append(f"{failures} run(s) failed")
+    if len(summary.arms) != 2 or len(summary.concurrencies) != n_conc:
+        problems.append(f"expected 2 arms x {n_conc} concurrencies, got {summary.arms} x {summary.concurrencies}")
+    if len(summary.ratios) != n_conc:
+        problems.append(f"expected {n_conc} ratios, got {len(summary.ratios)}")
+    problems += summary.warnings
+    for name in ("results.md", "results.png"):
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            problems.append(f"{name} missing or empty")
+    if problems:
+        raise RuntimeError("smoke check failed: " + "; ".join(problems))
+    log("smoke check passed")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    own, passthrough = _split_passthrough(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
+    server_args = shlex.split(args.server_args) + passthrough
+
+    if args.from_jsonl:
+        summary = write_report(args.from_jsonl, args.out_dir, args.title)
+        return 0 if summary.concurrencies else 1
+
+    apply_defaults(args)
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        failures = run(args, server_args)
+    except KeyboardInterrupt:
+        log("interrupted; servers stopped, partial results kept")
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if args.smoke:
+        summary = _report.summarize(_report.load_jsonl(os.path.join(args.out_dir, "results.jsonl")))
+        try:
+            check_smoke(summary, args.out_dir, len(args.concurrency), failures)
+        except RuntimeError as e:
+            log(str(e))
+            return 1
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

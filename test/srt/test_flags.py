@@ -1,0 +1,240 @@
+"""The --oea-* flags: parsing, defaults, the deprecated variable, and every startup refusal."""
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_oea import flags, hooks
+from sglang_oea.config import DEFAULT_MIN_BATCH, OEAConfig, build_config
+from sglang_oea.cpu_serve import cpu_environment
+from sglang_oea.tiny_model import main as write_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("moe"))
+    write_tiny_model(["--arch", "qwen3_moe", "--out", out, "--num-experts", "16", "--top-k", "4", "--num-layers", "1", "--hidden-size", "64", "--moe-intermediate-size", "32"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory, moe_model):
+    out = str(tmp_path_factory.mktemp("dense"))
+    config = json.load(open(os.path.join(moe_model, "config.json")))
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        config.pop(key)
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    return out
+
+
+def parse(argv, environ=None):
+    parser = argparse.ArgumentParser()
+    flags.add_oea_arguments(parser)
+    return flags.config_from_namespace(parser.parse_args(argv), environ or {})
+
+
+def settings(model, **overrides):
+    values = {"model_path": model, "moe_runner_backend": "auto", "ep_size": 1, "dp_size": 1, "attn_dp_size": 1, "enable_dp_attention": False, "use_ray": False}
+    values.update(overrides)
+    return lambda name, default: values.get(name, default)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def test_defaults_mean_off():
+    cfg = parse([])
+    assert cfg == OEAConfig() and not cfg.enabled
+    assert cfg.min_batch == DEFAULT_MIN_BATCH and cfg.max_batch == 0
+
+
+def test_all_flags_parse():
+    cfg = parse(["--oea-k0", "5", "--oea-min-batch", "8", "--oea-max-batch", "64", "--oea-disable-stats", "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3"])
+    assert cfg == OEAConfig(k0=5, min_batch=8, max_batch=64, stats=False, dump_router_logits="/tmp/d", dump_steps=3)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--oea-k0", "0"], "--oea-k0"),
+    (["--oea-k0", "-3"], "--oea-k0"),
+    (["--oea-k0", "2.5"], "--oea-k0"),
+    (["--oea-k0", "four"], "--oea-k0"),
+    (["--oea-min-batch", "0"], "--oea-min-batch"),
+    (["--oea-max-batch", "-1"], "--oea-max-batch"),
+    (["--oea-dump-steps", "0"], "--oea-dump-steps"),
+])
+def test_bad_values_are_refused_by_the_parser(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "must be an integer >=" in err
+
+
+def test_max_batch_below_min_batch_is_refused():
+    with pytest.raises(ValueError, match=r"--oea-max-batch must be 0 \(no cap\) or >= --oea-min-batch \(8\), got 4"):
+        parse(["--oea-k0", "3", "--oea-min-batch", "8", "--oea-max-batch", "4"])
+
+
+def test_config_object_refuses_non_integers():
+    with pytest.raises(ValueError, match="--oea-k0 must be an integer >= 1"):
+        OEAConfig(k0=2.0)
+    with pytest.raises(ValueError, match="--oea-min-batch"):
+        OEAConfig(k0=2, min_batch=True)
+
+
+def test_deprecated_environment_variable(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = build_config({}, {"SGLANG_OEA_K0": "4"})
+    assert cfg.k0 == 4
+    assert "SGLANG_OEA_K0 is deprecated" in caplog.text and "--oea-k0 4" in caplog.text
+    assert build_config({"oea_k0": 6}, {"SGLANG_OEA_K0": "4"}).k0 == 6, "the flag wins"
+    with pytest.raises(ValueError, match="SGLANG_OEA_K0 must be an integer >= 1, got 'x'"):
+        build_config({}, {"SGLANG_OEA_K0": "x"})
+
+
+# ----------------------------------------------------------------------------- server refusals
+
+
+def test_valid_server_passes_and_reports_shape(moe_model):
+    shape = flags.validate_server(OEAConfig(k0=2), settings(moe_model), lambda: json.load(open(f"{moe_model}/config.json")))
+    assert (shape.num_experts, shape.top_k, shape.family) == (16, 4, "softmax")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"ep_size": 2}, "--ep-size 1 only"),
+    ({"enable_dp_attention": True}, "DP attention"),
+    ({"attn_dp_size": 2}, "DP attention"),
+    ({"dp_size": 2}, "--dp-size 1 only"),
+    ({"use_ray": True}, "--use-ray"),
+    ({"moe_runner_backend": "flashinfer_trtllm"}, "--moe-runner-backend flashinfer_trtllm .* use --moe-runner-backend triton"),
+    ({"moe_runner_backend": "triton_kernel"}, "--moe-runner-backend triton_kernel"),
+    ({"moe_runner_backend": "flashinfer_mxfp4"}, "--moe-runner-backend flashinfer_mxfp4"),
+])
+def test_unsupported_configurations_are_refused(moe_model, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        flags.validate_server(OEAConfig(k0=2), settings(moe_model, **overrides), lambda: {})
+
+
+def test_model_without_routed_experts_is_refused(dense_model):
+    config = json.load(open(f"{dense_model}/config.json"))
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model with routed experts"):
+        flags.validate_server(OEAConfig(k0=2), settings(dense_model), lambda: config)
+
+
+def test_k0_at_least_top_k_is_logged_as_noop(moe_model, caplog):
+    with caplog.at_level(logging.WARNING):
+        flags.validate_server(OEAConfig(k0=4), settings(moe_model), lambda: json.load(open(f"{moe_model}/config.json")))
+    assert "OEA is a no-op" in caplog.text
+
+
+def test_auto_backend_that_hides_topk_ids_is_replaced():
+    assert hooks.backend_resolution_pass(SimpleNamespace(moe_runner_backend="flashinfer_trtllm")) == {"moe_runner_backend": "triton"}
+    assert hooks.backend_resolution_pass(SimpleNamespace(moe_runner_backend="flashinfer_cutlass")) == {}
+    assert hooks.backend_resolution_pass(SimpleNamespace(moe_runner_backend="triton")) == {}
+
+
+def test_disabled_config_skips_all_checks(dense_model):
+    assert flags.validate_server(OEAConfig(), settings(dense_model, ep_size=8), lambda: {}) is None
+
+
+# ----------------------------------------------------------------------------- real SGLang entry points
+
+
+def run_launcher(args, timeout=240):
+    env = cpu_environment()
+    env.pop(hooks.CONFIG_ENV, None)
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.time() - start
+
+
+def test_launch_server_help_lists_the_oea_group():
+    proc, _ = run_launcher(["--help"])
+    assert proc.returncode == 0
+    assert "Opportunistic Expert Activation (sglang-oea)" in proc.stdout
+    for flag in ("--oea-k0", "--oea-min-batch", "--oea-max-batch"):
+        assert flag in proc.stdout
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--oea-k0", "0"], "argument --oea-k0: --oea-k0 must be an integer >= 1, got 0"),
+    (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
+    (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
+])
+def test_cli_refusals_exit_before_loading(moe_model, extra, message):
+    proc, _ = run_launcher(["--model-path", moe_model, "--load-format", "dummy", "--device", "cpu", *extra])
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Load weight" not in proc.stderr + proc.stdout
+
+
+def test_cli_refuses_dense_model(dense_model):
+    proc, _ = run_launcher(["--model-path", dense_model, "--load-format", "dummy", "--device", "cpu", "--oea-k0", "2"])
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang-oea: error: --oea-k0 needs a mixture-of-experts model")
+
+
+def test_engine_keyword_refusal(moe_model):
+    hooks.install()
+    import sglang
+
+    with pytest.raises(ValueError, match="--oea-min-batch must be an integer >= 1"):
+        sglang.Engine(model_path=moe_model, oea_k0=2, oea_min_batch=0)
+
+
+def _child_reads_config(queue, server_args):
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    queue.put({
+        "oea": getattr(server_args, "_oea", None),
+        "published": hooks.published_config().as_dict(),
+        "missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
+    })
+
+
+def test_spawned_scheduler_process_sees_the_flags(moe_model):
+    hooks.install()
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", moe_model, "--oea-k0", "3", "--oea-min-batch", "2", "--oea-max-batch", "64"])
+    want = OEAConfig(k0=3, min_batch=2, max_batch=64).as_dict()
+    assert server_args._oea == want
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_reads_config, args=(queue, server_args))
+    child.start()
+    got = queue.get(timeout=240)
+    child.join(timeout=60)
+    assert got == {"oea": want, "published": want, "missing": []}
+
+
+NOOP_PROBE = """
+import json
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang_oea import hooks
+print(json.dumps({"routing_missing": hooks.missing_hooks(hooks.ROUTING_TARGETS), "cli_missing": hooks.missing_hooks(hooks.CLI_TARGETS)}))
+"""
+
+
+def test_plugin_installed_but_off_wraps_no_routing_target():
+    env = cpu_environment()
+    env.pop(hooks.CONFIG_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", NOOP_PROBE], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["routing_missing"] == list(hooks.ROUTING_TARGETS), "no routing target is wrapped when OEA is off"
+    assert result["cli_missing"] == [], "the flags are still available"
