@@ -1,0 +1,34 @@
+# sglang-oea: `make test` runs the CPU test suite, `make demo` the CPU A/B demo.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.sglang-oea-installed
+DEMO_OUT ?= out/demo
+
+.PHONY: install test test-fast demo simulate clean
+
+install: $(STAMP)
+
+$(STAMP): python/pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet "sglang==0.5.23"
+	$(VPY) -m pip install --quiet -e "python[test]"
+	touch $(STAMP)
+
+# Everything, the real-server end-to-end tests included (about 20 minutes on 2 cores).
+test: install
+	$(VPY) -m pytest test/srt -q -p no:cacheprovider
+
+# Without starting servers (a few minutes).
+test-fast: install
+	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m "not server"
+
+demo: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VPY) benchmark/oea/demo.py --out-dir $(DEMO_OUT)
+
+simulate: install
+	$(VPY) benchmark/oea/simulate.py --out-dir out/simulate
+
+clean:
+	rm -rf out .pytest_cache

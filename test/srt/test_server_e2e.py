@@ -1,0 +1,183 @@
+"""End to end on the real SGLang server (CPU engine, tiny dummy-weight models of both archs).
+
+One server at a time (this machine has 2 cores); each module-scoped fixture owns one server.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+from ab_serving import Server, child_env, wait_ready
+from sglang_oea.tiny_model import main as write_tiny_model
+
+NUM_EXPERTS, TOP_K = 64, 8
+PROMPTS = ["The experts of a batch", "Memory bound decode means", "Tokens borrow experts", "0123 4567 89"]
+
+
+def make_model(directory, arch):
+    write_tiny_model(["--arch", arch, "--out", directory, "--num-experts", str(NUM_EXPERTS), "--top-k", str(TOP_K),
+                      "--hidden-size", "128", "--moe-intermediate-size", "64", "--num-layers", "2", "--num-heads", "4"])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_model(str(root / arch), arch) for arch in ("qwen3_moe", "glm4_moe")}
+
+
+@contextmanager
+def serve(tmp_path_factory, model, *flags, plugins=True):
+    """A cpu_serve server for `model` with `flags`; plugins=False runs plain SGLang (no plugin)."""
+    port = 31000 + os.getpid() % 2000
+    env = child_env()
+    env.pop("_SGLANG_OEA_CONFIG", None)
+    if not plugins:
+        env["SGLANG_PLUGINS"] = "none-loaded"  # SGLang's whitelist: loads no general plugin
+    log = str(tmp_path_factory.mktemp("server") / "server.log")
+    cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, "--load-format", "dummy",
+           "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0", *flags]
+    server = Server(cmd, log, env)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 400, server.proc, log)
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        server.stop()
+
+
+def post(url, payload, timeout=300):
+    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def complete(base, prompt, max_tokens=16, **extra):
+    payload = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return json.loads(post(base + "/v1/completions", payload))
+
+
+def greedy_texts(base):
+    return [complete(base, p)["choices"][0]["text"] for p in PROMPTS]
+
+
+def concurrent(base, count, max_tokens):
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda i: complete(base, f"{PROMPTS[i % 4]} {i}", max_tokens, ignore_eos=True), range(count)))
+
+
+def scrape(base):
+    """{(name, frozenset(labels)): value} of the whole /metrics page."""
+    out = {}
+    for line in urllib.request.urlopen(base + "/metrics", timeout=30).read().decode().splitlines():
+        match = re.match(r"^([^#\s{]+)(?:\{(.*)\})?\s+(\S+)$", line)
+        if match:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            out[(match.group(1), labels)] = float(match.group(3))
+    return out
+
+
+def oea_value(metrics, name, **labels):
+    """Sum of a metric's samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in metrics.items() if n == name and want <= set(ls))
+
+
+# ----------------------------------------------------------------------------- qwen3_moe (softmax)
+
+
+@pytest.fixture(scope="module")
+def plain_qwen(tmp_path_factory, models):
+    with serve(tmp_path_factory, models["qwen3_moe"], "--enable-metrics", plugins=False) as (base, _):
+        yield {"texts": greedy_texts(base), "metric_names": {n for n, _ in scrape(base)}}
+
+
+def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plain_qwen):
+    with serve(tmp_path_factory, models["qwen3_moe"], "--enable-metrics") as (base, log):
+        assert greedy_texts(base) == plain_qwen["texts"]
+        names = {n for n, _ in scrape(base)}
+    assert not any("oea" in n for n in names)
+    assert names == plain_qwen["metric_names"]
+    assert "sglang-oea rank" not in open(log).read()
+
+
+def test_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_qwen):
+    with serve(tmp_path_factory, models["qwen3_moe"], "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
+        assert greedy_texts(base) == plain_qwen["texts"]
+    assert "OEA no-op (k0 >= top-k)" in open(log).read()
+
+
+@pytest.fixture(scope="module")
+def oea_qwen(tmp_path_factory, models):
+    flags = ("--oea-k0", "4", "--oea-min-batch", "3", "--enable-metrics", "--decode-log-interval", "1")
+    with serve(tmp_path_factory, models["qwen3_moe"], *flags) as running:
+        yield running
+
+
+def test_openai_endpoints_with_oea(oea_qwen):
+    base, log = oea_qwen
+    chat = json.loads(post(base + "/v1/chat/completions", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] > 0
+    assert complete(base, "hello", 8)["usage"]["completion_tokens"] > 0
+    stream = post(base + "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "ignore_eos": True})
+    chunks = [line for line in stream.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(chunks) >= 8 and stream.rstrip().endswith("data: [DONE]")
+    assert "sglang-oea rank 0: OEA on, k0=4 min_batch=3" in open(log).read()
+
+
+def test_concurrent_decode_goes_through_oea_and_touches_fewer_experts(oea_qwen):
+    base, _ = oea_qwen
+    start = scrape(base)
+    complete(base, "alone", 12, ignore_eos=True)  # 11 decode steps at B=1 < min batch 3
+    alone = scrape(base)
+    below = oea_value(alone, "sglang:oea_decode_steps_skipped_total", reason="below_min_batch") - oea_value(start, "sglang:oea_decode_steps_skipped_total", reason="below_min_batch")
+    assert 11 <= below <= 13  # /health may add a request of its own
+    assert oea_value(alone, "sglang:oea_decode_steps_applied_total") == oea_value(start, "sglang:oea_decode_steps_applied_total")
+
+    results = concurrent(base, 6, 20)
+    assert all(r["usage"]["completion_tokens"] == 20 for r in results)
+    after = scrape(base)
+    applied = oea_value(after, "sglang:oea_decode_steps_applied_total") - oea_value(alone, "sglang:oea_decode_steps_applied_total")
+    assert applied >= 10
+    assert oea_value(after, "sglang:oea_k0") == 4
+    layers = {dict(ls)["layer"] for n, ls in after if n == "sglang:oea_active_experts_before"}
+    assert layers == {"0", "1"}
+    for layer in layers:
+        before = oea_value(after, "sglang:oea_active_experts_before", layer=layer)
+        expert_after = oea_value(after, "sglang:oea_active_experts_after", layer=layer)
+        assert 4 <= expert_after < before <= min(NUM_EXPERTS, 7 * TOP_K)
+    assert 0 < oea_value(after, "sglang:oea_active_experts_ratio") < 1
+
+
+# ----------------------------------------------------------------------------- glm4_moe (sigmoid + bias, groups, shared)
+
+
+@pytest.fixture(scope="module")
+def plain_glm(tmp_path_factory, models):
+    with serve(tmp_path_factory, models["glm4_moe"], plugins=False) as (base, _):
+        yield greedy_texts(base)
+
+
+def test_glm_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_glm):
+    with serve(tmp_path_factory, models["glm4_moe"], "--oea-k0", "9") as (base, _):
+        assert greedy_texts(base) == plain_glm
+
+
+def test_glm_serves_with_oea_and_touches_fewer_experts(tmp_path_factory, models):
+    flags = ("--oea-k0", "3", "--oea-min-batch", "2", "--enable-metrics", "--decode-log-interval", "1")
+    with serve(tmp_path_factory, models["glm4_moe"], *flags) as (base, log):
+        chat = json.loads(post(base + "/v1/chat/completions", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
+        assert chat["usage"]["completion_tokens"] > 0
+        concurrent(base, 5, 16)
+        metrics = scrape(base)
+    assert "routing=sigmoid+bias, groups 4/8" in open(log).read()
+    assert oea_value(metrics, "sglang:oea_decode_steps_applied_total") >= 8
+    assert 0 < oea_value(metrics, "sglang:oea_active_experts_ratio") < 1
