@@ -10,6 +10,7 @@ Installed only in processes started while OEA is enabled (the published config i
   forward_context.forward_context      AROUND  tells the runtime whether a step is decode, and its rows.
   Scheduler.__init__                   AFTER   creates the per-rank runtime; logs the settings.
   SchedulerMetricsReporter.report_decode_stats  AFTER  exports metrics once per log interval.
+  DecodeCudaGraphRunner.execute        AROUND  sets the device scalar of real rows before a replay.
 Every hook is verified after it is applied; one that did not land stops startup with the name
 of the SGLang function.
 """
@@ -33,10 +34,11 @@ SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 TOPK_POST = "sglang.srt.layers.moe.topk._post_process_topk_ids"
 FORWARD_CONTEXT = "sglang.srt.model_executor.forward_context.forward_context"
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+GRAPH_EXECUTE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute"
 DECODE_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 ENGINE_INIT = "sglang.srt.entrypoints.engine.Engine.__init__"
 CLI_TARGETS = (f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", ENGINE_INIT)
-ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS)
+ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS, GRAPH_EXECUTE)
 
 _runtime: Optional[OEARuntime] = None
 _topk_signature: Optional[inspect.Signature] = None
@@ -142,7 +144,7 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
 
     cfg = published_config()
     rank = int(getattr(scheduler, "tp_rank", 0) or 0)
-    _runtime = OEARuntime(cfg, rank=rank)
+    _runtime = OEARuntime(cfg, rank=rank, device=routing_device())
     shape = read_moe_shape(scheduler.model_config.hf_config)
     model = shape.describe() if shape else "no routed experts"
     state = "no-op (k0 >= top-k)" if shape and cfg.k0 >= shape.top_k else "on"
@@ -150,6 +152,19 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     from sglang_oea import metrics
 
     metrics.attach(_runtime, scheduler)
+
+
+def routing_device():
+    """Where this process routes: its current CUDA device, else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def capturing_graph() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @contextmanager
@@ -160,7 +175,7 @@ def _oea_step(inner: Any, forward_batch: Any):
             yield
         return
     # SGLang nests forward contexts for one forward pass; only the outermost counts as a step.
-    outermost = _runtime.depth == 0
+    outermost = _runtime.depth == 0 and not capturing_graph()
     previous = _runtime.begin_step(forward_batch.forward_mode.is_decode(), int(forward_batch.batch_size), count=outermost)
     _runtime.depth += 1
     try:
@@ -189,6 +204,13 @@ def topk_post_hook(*args: Any, **kwargs: Any) -> Optional[Tuple[tuple, dict]]:
         return None
     params["topk_ids"], params["topk_weights"] = routed
     return bound.args, bound.kwargs
+
+
+def graph_execute_hook(original: Callable, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Before each decode-graph replay, tell the captured routing how many rows are real."""
+    if _runtime is not None:
+        _runtime.graph_rows.fill_(int(forward_batch.batch_size))
+    return original(runner, forward_batch, *args, **kwargs)
 
 
 def decode_stats_hook(result: Any, reporter: Any, *args: Any, **kwargs: Any) -> None:
@@ -248,6 +270,7 @@ def install_routing() -> None:
         (FORWARD_CONTEXT, forward_context_hook, HookType.AROUND),
         (SCHEDULER_INIT, scheduler_init_hook, HookType.AFTER),
         (DECODE_STATS, decode_stats_hook, HookType.AFTER),
+        (GRAPH_EXECUTE, graph_execute_hook, HookType.AROUND),
     ])
     missing = missing_hooks(ROUTING_TARGETS)
     if missing:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from sglang_oea.config import OEAConfig
-from sglang_oea.reference import distinct_experts
+from sglang_oea.reference import batch_gate, distinct_experts
 from sglang_oea.routing import RouterSpec, route_from_logits
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,16 @@ class StepInfo:
     index: int = -1
 
 
+def is_capturing(tensor: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def fused_or_reference(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch):
+    """The fused Triton kernel where it runs (CUDA), else the pure-torch reference. Same results."""
+    return route_from_logits(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch)
+
+
 def router_spec_of(topk_config: Any) -> RouterSpec:
     """RouterSpec from SGLang's TopKConfig (read by attribute, so no SGLang import)."""
     num_groups = topk_config.num_expert_group or 1
@@ -52,22 +62,20 @@ class ExpertStats:
     """Device-side sums of distinct experts per MoE layer, before and after OEA.
 
     sums: [MAX_LAYERS, 3] float64 on the routing device: (steps, T before, T after) per layer.
+    Allocated up front, so CUDA-graph capture records in-place adds into a persistent buffer.
     """
 
-    def __init__(self):
-        self.sums: Optional[torch.Tensor] = None
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(MAX_LAYERS, 3, dtype=torch.float64, device=device)
 
-    def add(self, layer_id: int, before: torch.Tensor, after: torch.Tensor) -> None:
-        if self.sums is None:
-            self.sums = torch.zeros(MAX_LAYERS, 3, dtype=torch.float64, device=before.device)
+    def add(self, layer_id: int, before: torch.Tensor, after: torch.Tensor, gate: Any = 1) -> None:
+        """gate: 1, or a 0-d device bool/int (graph replays where the batch gate was closed add 0)."""
         row = torch.stack([torch.ones_like(before), before, after]).to(torch.float64)
-        self.sums[layer_id].add_(row)
+        self.sums[layer_id].add_(row * gate)
 
     def drain(self) -> Optional[torch.Tensor]:
         """[L, 4] host rows (steps, T before, T after, layer id) of the layers seen since the
         last drain, or None; one device sync, then the sums restart from zero."""
-        if self.sums is None:
-            return None
         host = self.sums.to("cpu", copy=True)
         self.sums.zero_()
         layer_ids = torch.arange(MAX_LAYERS, dtype=torch.float64)[:, None]
@@ -107,14 +115,17 @@ class RouterDump:
 class OEARuntime:
     """OEA for one process: gate, route, count."""
 
-    def __init__(self, cfg: OEAConfig, rank: int = 0):
+    def __init__(self, cfg: OEAConfig, rank: int = 0, device: Optional[torch.device] = None):
+        device = torch.device("cpu") if device is None else device
         self.cfg = cfg
         self.rank = rank
+        # Real rows of the decode batch being replayed: set before each CUDA-graph replay.
+        self.graph_rows = torch.zeros((), dtype=torch.int32, device=device)
         self.step = StepInfo()
         self.decode_steps = 0
         self.applied_steps = 0
         self.skipped_steps: Counter = Counter()
-        self.stats = ExpertStats() if cfg.stats else None
+        self.stats = ExpertStats(device) if cfg.stats else None
         self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
         self.depth = 0  # nesting of SGLang forward contexts
 
@@ -167,17 +178,33 @@ class OEARuntime:
         num_shared = topk_config.num_shared_topk_slots if topk_ids.shape[1] == topk_config.top_k else 0
         routed = topk_ids.shape[1] - num_shared
         layer = layer_id or 0
-        if self.dump is not None and self.dump.wants(self.step.index):
+        capturing = is_capturing(router_logits)
+        if self.dump is not None and not capturing and self.dump.wants(self.step.index):
             self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], topk_config, routed)
-        if not self.step.apply or self.cfg.k0 >= routed:
+        if self.cfg.k0 >= routed or not self.step_may_apply(capturing):
             return None
-        ids, weights = route_from_logits(
-            router_logits, topk_ids[:, :routed], topk_weights[:, :routed],
-            router_spec_of(topk_config), self.cfg.k0, self.step.num_rows,
-        )
+        ids, weights, gate = self.route_routed(router_logits, topk_ids[:, :routed], topk_weights[:, :routed], topk_config, capturing)
         if self.stats is not None:
+            rows = self.graph_rows if capturing else self.step.num_rows
             num_experts = router_logits.shape[1]
-            before = distinct_experts(topk_ids[:, :routed], num_experts, self.step.num_rows)
-            self.stats.add(layer, before, distinct_experts(ids, num_experts, self.step.num_rows))
+            before = distinct_experts(topk_ids[:, :routed], num_experts, rows)
+            self.stats.add(layer, before, distinct_experts(ids, num_experts, rows), gate)
         ids = torch.cat([ids.to(topk_ids.dtype), topk_ids[:, routed:]], dim=1)
         return ids, torch.cat([weights, topk_weights[:, routed:]], dim=1)
+
+    def step_may_apply(self, capturing: bool) -> bool:
+        """Host-side gate. Under graph capture the batch is a bucket: the real rows, known only at
+        replay, are gated on the device, so only buckets too small for min_batch are skipped."""
+        if capturing:
+            return self.step.num_rows >= self.cfg.min_batch
+        return self.step.apply
+
+    def route_routed(self, router_logits, topk_ids, topk_weights, topk_config, capturing):
+        """(ids, weights, gate) for the routed columns; gate is 1, or a device 0/1 when capturing."""
+        spec = router_spec_of(topk_config)
+        if not capturing:
+            ids, weights = route_from_logits(router_logits, topk_ids, topk_weights, spec, self.cfg.k0, self.step.num_rows)
+            return ids, weights, 1
+        rows, lo, hi = self.graph_rows, self.cfg.min_batch, self.cfg.max_batch
+        ids, weights = fused_or_reference(router_logits, topk_ids, topk_weights, spec, self.cfg.k0, rows, lo, hi)
+        return ids, weights, batch_gate(rows, lo, hi)
