@@ -41,9 +41,44 @@ def is_capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def fused_or_reference(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch):
-    """The fused Triton kernel where it runs (CUDA), else the pure-torch reference. Same results."""
-    return route_from_logits(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch)
+class FusedRouter:
+    """The fused Triton kernel on CUDA, with one preallocated workspace per MoE layer; the
+    pure-torch reference everywhere else. Both compute the same routing (test_oea_kernel.py)."""
+
+    MIN_WORKSPACE_ROWS = 1024
+
+    def __init__(self):
+        self.workspaces = {}
+
+    def workspace(self, layer: int, router_logits, topk_ids, topk_weights, capturing: bool):
+        """This layer's workspace, allocated outside capture (SGLang warms up before capturing)."""
+        from sglang_oea.kernels import OEAWorkspace
+
+        rows, num_experts = router_logits.shape
+        ws = self.workspaces.get(layer)
+        if not capturing and (ws is None or ws.out_ids.shape[0] < rows):
+            ws = OEAWorkspace.allocate(
+                num_experts, topk_ids.shape[1], max(rows, self.MIN_WORKSPACE_ROWS),
+                topk_ids.dtype, topk_weights.dtype, router_logits.device,
+            )
+            self.workspaces[layer] = ws
+        return ws
+
+    def __call__(self, layer, router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch, capturing):
+        from sglang_oea import kernels
+
+        # Under TRITON_INTERPRET=1 (tests) the kernel also runs on CPU tensors.
+        wanted = router_logits.is_cuda or kernels.interpret_mode()
+        if not (wanted and kernels.is_available(router_logits.device)):
+            return route_from_logits(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch)
+        ws = self.workspace(layer, router_logits, topk_ids, topk_weights, capturing)
+        ids, weights = kernels.oea_route(
+            router_logits, topk_ids, topk_weights, k0=k0, scoring_func=spec.scoring_func,
+            correction_bias=spec.correction_bias, num_groups=spec.num_groups,
+            restrict_groups=spec.restrict_groups, num_valid_rows=rows, min_batch=min_batch,
+            max_batch=max_batch, workspace=ws,
+        )
+        return ids.long(), weights
 
 
 def router_spec_of(topk_config: Any) -> RouterSpec:
@@ -128,6 +163,7 @@ class OEARuntime:
         self.stats = ExpertStats(device) if cfg.stats else None
         self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
         self.depth = 0  # nesting of SGLang forward contexts
+        self.fused = FusedRouter()
 
     def skip_reason(self, decode: bool, num_rows: int) -> Optional[str]:
         """Why OEA does not apply to this forward pass, or None when it does."""
@@ -183,7 +219,7 @@ class OEARuntime:
             self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], topk_config, routed)
         if self.cfg.k0 >= routed or not self.step_may_apply(capturing):
             return None
-        ids, weights, gate = self.route_routed(router_logits, topk_ids[:, :routed], topk_weights[:, :routed], topk_config, capturing)
+        ids, weights, gate = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], topk_config, capturing)
         if self.stats is not None:
             rows = self.graph_rows if capturing else self.step.num_rows
             num_experts = router_logits.shape[1]
@@ -199,12 +235,12 @@ class OEARuntime:
             return self.step.num_rows >= self.cfg.min_batch
         return self.step.apply
 
-    def route_routed(self, router_logits, topk_ids, topk_weights, topk_config, capturing):
+    def route_routed(self, layer, router_logits, topk_ids, topk_weights, topk_config, capturing):
         """(ids, weights, gate) for the routed columns; gate is 1, or a device 0/1 when capturing."""
         spec = router_spec_of(topk_config)
-        if not capturing:
-            ids, weights = route_from_logits(router_logits, topk_ids, topk_weights, spec, self.cfg.k0, self.step.num_rows)
+        if not capturing:  # the host already gated this step on its real rows
+            ids, weights = self.fused(layer, router_logits, topk_ids, topk_weights, spec, self.cfg.k0, self.step.num_rows, 1, 0, False)
             return ids, weights, 1
         rows, lo, hi = self.graph_rows, self.cfg.min_batch, self.cfg.max_batch
-        ids, weights = fused_or_reference(router_logits, topk_ids, topk_weights, spec, self.cfg.k0, rows, lo, hi)
+        ids, weights = self.fused(layer, router_logits, topk_ids, topk_weights, spec, self.cfg.k0, rows, lo, hi, True)
         return ids, weights, batch_gate(rows, lo, hi)

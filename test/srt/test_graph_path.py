@@ -85,3 +85,40 @@ def test_shared_columns_pass_through_under_capture(captured):
     shared_w = torch.full((BUCKET, 1), 0.25)
     got_ids, got_weights = rt.route(torch.cat([ids, shared_ids], 1), torch.cat([weights, shared_w], 1), topk_config(1), logits, 0)
     assert torch.equal(got_ids[:, TOP_K:], shared_ids) and torch.equal(got_weights[:, TOP_K:], shared_w)
+
+
+def test_graph_path_through_the_fused_kernel_in_the_interpreter():
+    """The same tests with the Triton kernel (interpreted) behind FusedRouter, in a child process:
+    Triton reads TRITON_INTERPRET once, at import."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("already running in the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not through_the_fused_kernel"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "11 passed" in proc.stdout
+
+
+def test_kernel_is_used_under_the_interpreter():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the interpreter child only")
+    calls = []
+    from sglang_oea import kernels
+
+    original = kernels.oea_route
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2))
+    rt.begin_step(decode=True, num_rows=6)
+    logits = torch.randn(6, NUM_EXPERTS)
+    weights, ids = torch.topk(logits.softmax(1), TOP_K)
+    try:
+        kernels.oea_route = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        got_ids, _ = rt.route(ids.int(), weights, topk_config(), logits, 0)
+    finally:
+        kernels.oea_route = original
+    assert calls and got_ids.shape == (6, TOP_K)

@@ -3,16 +3,29 @@
 Shape legend: B = rows (tokens), N = routed experts, K = routed experts per row, K0 = base size.
 
 Launch 1 (`_oea_union_kernel`, one program per row) ranks the row's routed top-K and marks its
-base (the K0 best) in a union bitmap [N] int32. Every writer stores the same value 1, so the
+base (the K0 best) in a union bitmap U [N] int32. Every writer stores the same value 1, so the
 result does not depend on the order of the programs.
-Launch 2 (`_oea_route_kernel`, one program per row) reads the union, picks the row's K - K0
-piggybacked experts (or the fills), computes the weights and applies the batch gate. The last
-program to finish clears the union again, so the workspace is ready for the next call without
-any extra launch; see `OEAWorkspace`.
+Launch 2 (`_oea_route_kernel`, one program per row) reads U, picks the row's K - K0 piggybacked
+experts (or the fills), computes the weights and applies the batch gate. The last program to
+finish (an atomic ticket counter) clears U again, so the workspace is clean for the next call
+without any extra launch or torch op.
 
 Graph safety: no host sync, no shape that depends on tensor values, and with a workspace no
 allocation. The row count and the gate are read on the device from `num_valid_rows`.
-Determinism: no floating-point atomics; every row's result depends only on its inputs and U.
+Determinism: no floating-point atomics; each row's result depends only on its inputs and on U,
+so every TP rank that sees the same logits produces the same ids and weights.
+
+Use under CUDA graphs (one workspace per MoE layer, allocated before capture):
+
+    ws = OEAWorkspace.allocate(N, K, max_bucket_rows, torch.int32, torch.float32, "cuda")
+    real_rows = torch.zeros(1, dtype=torch.int32, device="cuda")   # persistent, 0-d or [1]
+    # during capture (and eagerly, which also compiles: do one eager call before capturing):
+    ids, weights = oea_route(logits, topk_ids, topk_weights, k0=3, scoring_func="softmax",
+                             num_valid_rows=real_rows, min_batch=4, max_batch=0, workspace=ws)
+    # before each replay: real_rows.fill_(n)  (or copy_ from the batch's row count)
+
+`ids`/`weights` are views ws.out_ids[:B] / ws.out_weights[:B]: the same memory on every replay,
+overwritten by the next call with the same workspace.
 """
 
 from dataclasses import dataclass
@@ -25,6 +38,7 @@ import triton.language as tl
 # An expert id lives in the low 16 bits of a pick key (see _pick_keys).
 MAX_EXPERTS = 1 << 15
 MAX_TOP_K = 64
+
 
 @triton.jit
 def _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR: tl.constexpr):
@@ -102,9 +116,12 @@ def _pick_keys(sel, in_union, held, cols, N, valid):
     padding columns get -1.
     """
     eligible = valid & in_union & (~held) & (sel > float("-inf"))
+    # Tier 3: piggyback candidate; 2: fill from U; 1: fill from outside U (fill order).
     tier = tl.where(eligible, 3, tl.where(in_union, 2, 1)).to(tl.int64)
     # -0.0 and +0.0 must tie, as they do in torch.sort.
     s = tl.where(sel == 0.0, 0.0, sel)
+    # IEEE-754 bits order like sign-magnitude integers: flipping the magnitude bits of negative
+    # values makes them order like the floats; the offset makes them non-negative (32 bits).
     bits = s.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
     score_part = tl.where(eligible, ordered, 0)
@@ -212,7 +229,8 @@ def _oea_route_kernel(
     first = tl.where(valid, k0, 0)
     out = tl.where(slots < first, tl.sum(tl.where(base_at, ids[None, :], 0), axis=1), 0)
     active = slots < first
-    # Remaining slots: repeated argmax over unique keys (the id is part of the key).
+    # Remaining slots: repeated argmax over keys that are unique (the id is part of the key), so
+    # no tie rule of tl.argmax is involved. Tier 3 (piggybacked) slots carry weight.
     for t in range(0, K - first):
         best = tl.max(key, axis=0)
         expert = (0xFFFF - (best & 0xFFFF)).to(tl.int32)
@@ -246,7 +264,7 @@ def _oea_route_kernel(
 
 @dataclass
 class OEAWorkspace:
-    """Preallocated buffers so that `oea_route` allocates nothing (CUDA-graph capture).
+    """Preallocated buffers, so that `oea_route` allocates nothing (CUDA-graph capture).
 
     union: [N] int32, all zero between calls (launch 2 clears it).
     counter: [1] int32, zero between calls (launch 2 resets it).
@@ -282,10 +300,12 @@ class OEAWorkspace:
         )
 
     def reset(self) -> None:
+        """Zero U and the counter (only needed if a call was interrupted half-way)."""
         self.union.zero_()
         self.counter.zero_()
 
     def check(self, num_rows: int, num_experts: int, top_k: int, ids: torch.Tensor, weights: torch.Tensor):
+        """Assert that this workspace fits a call (shapes and dtypes only: no device sync)."""
         assert self.union.shape == (num_experts,) and self.union.dtype == torch.int32, f"{self.union.shape=}"
         assert self.counter.shape == (1,) and self.counter.dtype == torch.int32, f"{self.counter.shape=}"
         assert self.out_ids.shape[0] >= num_rows and self.out_ids.shape[1] == top_k, f"{self.out_ids.shape=}"
@@ -368,6 +388,9 @@ def oea_route(
         num_valid = num_rows if num_valid_rows is None else int(num_valid_rows)
     sigmoid = scoring_func == "sigmoid"
     has_bias = sigmoid and correction_bias is not None
+    if has_bias:
+        assert correction_bias.shape == (num_experts,) and correction_bias.is_contiguous(), f"{correction_bias.shape=}"
+        assert correction_bias.device == router_logits.device, f"{correction_bias.device=}"
     bias = correction_bias if has_bias else router_logits
     restrict = bool(restrict_groups) and num_groups > 1
     n_pad = triton.next_power_of_2(num_experts)

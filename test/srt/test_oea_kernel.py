@@ -1,0 +1,200 @@
+"""The fused Triton OEA kernel (sglang_oea.kernels) against its pure-torch oracle.
+
+On CUDA the kernels run on the GPU. Without CUDA they run in Triton's CPU interpreter, which must
+be chosen before triton is first imported, so the process has to start with TRITON_INTERPRET=1:
+
+    TRITON_INTERPRET=1 PYTHONPATH=python python -m pytest test/srt/test_oea_kernel.py -q
+
+In a plain `pytest test/srt` on a CPU machine (no TRITON_INTERPRET), the kernel tests are skipped
+here and test_whole_file_in_the_interpreter runs this file in a child process that has it.
+
+The interpreter costs ~20-40 ms per row, so the grid is sampled: every listed N, K and every
+k0 < K appears in some case. The grid, the inputs and the comparison live in
+benchmark/oea/gpu_check.py, which runs the same grid on a GPU.
+"""
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO / "python") not in sys.path:
+    sys.path.insert(0, str(REPO / "python"))
+
+pytest.importorskip("triton", reason="the OEA kernel needs triton (pip install triton)")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+IN_PROCESS = INTERPRET or torch.cuda.is_available()
+DEVICE = "cpu" if INTERPRET else "cuda"
+needs_kernel = pytest.mark.skipif(
+    not IN_PROCESS, reason="no CUDA and TRITON_INTERPRET unset: run by test_whole_file_in_the_interpreter"
+)
+
+
+def _load_gpu_check():
+    """benchmark/oea/gpu_check.py: the sampled grid, the inputs and the comparison."""
+    spec = importlib.util.spec_from_file_location("oea_gpu_check", REPO / "benchmark/oea/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load_gpu_check()
+Case, N_VALUES, K_VALUES, SEED = gpu_check.Case, gpu_check.N_VALUES, gpu_check.K_VALUES, gpu_check.SEED
+CASES = gpu_check.sampled_cases()
+if IN_PROCESS:
+    kernel_module = importlib.import_module("sglang_oea.kernels.oea_route")
+    oea_route, OEAWorkspace = kernel_module.oea_route, kernel_module.OEAWorkspace
+
+
+def _inputs(case: Case, seed: int):
+    return gpu_check.router_inputs(case, torch.Generator().manual_seed(seed), DEVICE)
+
+
+def _assert_matches_oracle(case: Case, out_ids, out_w, logits, ids, w, spec):
+    err = gpu_check.compare(case, out_ids, out_w, logits, ids, w, spec)
+    assert err is None, err
+
+
+def test_grid_covers_every_listed_value():
+    assert {c.N for c in CASES} >= set(N_VALUES)
+    assert {c.K for c in CASES} >= set(K_VALUES)
+    for K in K_VALUES:
+        assert {c.k0 for c in CASES if c.K == K} >= set(range(1, K)), K
+    assert {1, 7, 13, 1024} <= {c.B for c in CASES}
+    assert any(c.nv is not None and 0 < c.nv < c.B for c in CASES)
+    assert any(c.nv == 0 and c.min_batch == 0 for c in CASES)  # all rows padded, gate open
+    assert any(c.nv == 0 and c.min_batch == 1 for c in CASES)  # gate closed
+    assert {"softmax", "sigmoid"} == {c.scoring for c in CASES} and any(c.bias for c in CASES)
+    assert any(c.restrict for c in CASES) and {"none", "bf16", "few"} == {c.ties for c in CASES}
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_matches_oracle(case: Case):
+    err = gpu_check.check_case(case, DEVICE)
+    assert err is None, err
+
+
+GATE_CASES = [
+    # (min_batch, max_batch, real rows, rows): closed below min_batch or above max_batch.
+    (4, 0, 3, 8),
+    (4, 0, 0, 5),
+    (2, 8, 10, 12),
+    (1, 6, 7, 7),
+    (3, 5, 9, 16),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("min_batch,max_batch,nv,B", GATE_CASES)
+@pytest.mark.parametrize("nv_kind", ["0d", "1d"])
+def test_gate_closed_returns_router_output_bit_for_bit(min_batch, max_batch, nv, B, nv_kind):
+    case = Case(B=B, N=64, K=8, k0=3, nv=nv, nv_kind=nv_kind, min_batch=min_batch, max_batch=max_batch)
+    logits, ids, w, spec = _inputs(case, SEED)
+    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec)
+    assert out_ids.dtype == ids.dtype and out_w.dtype == w.dtype
+    assert torch.equal(out_ids, ids)
+    assert torch.equal(out_w.view(torch.int32), w.view(torch.int32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("min_batch,max_batch,nv", [(4, 0, 4), (2, 8, 8), (3, 3, 3)])
+def test_gate_open_at_its_bounds(min_batch, max_batch, nv):
+    case = Case(B=10, N=128, K=8, k0=4, nv=nv, min_batch=min_batch, max_batch=max_batch, ties="bf16")
+    logits, ids, w, spec = _inputs(case, SEED + 1)
+    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec)
+    assert not torch.equal(out_ids, ids)  # OEA changed something
+    _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+
+
+@needs_kernel
+def test_workspace_is_reused_and_left_clean():
+    """Back-to-back calls on one workspace: U and the counter are zero after each call."""
+    ws = OEAWorkspace.allocate(160, 6, 16, torch.int32, torch.float32, DEVICE)
+    calls = [(16, 16, "softmax"), (5, 13, "sigmoid"), (0, 9, "softmax"), (9, 9, "sigmoid")]
+    for i, (nv, B, scoring) in enumerate(calls):
+        case = Case(B=B, N=160, K=6, k0=2, nv=nv, scoring=scoring, bias=scoring == "sigmoid", ties="bf16")
+        logits, ids, w, spec = _inputs(case, SEED + 2 + i)
+        out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, workspace=ws)
+        assert out_ids.data_ptr() == ws.out_ids.data_ptr() and out_ids.shape == (B, 6)
+        assert int(ws.union.count_nonzero()) == 0 and int(ws.counter.item()) == 0
+        _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+
+
+@needs_kernel
+def test_k0_at_least_k_returns_the_router_tensors():
+    case = Case(B=5, N=64, K=4, k0=4)
+    logits, ids, w, spec = _inputs(case, SEED)
+    out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None)
+    assert out_ids is ids and out_w is w
+
+
+@needs_kernel
+def test_strided_logits_rows():
+    """Router logits are often a slice of a wider GEMM output: only the last dim is unit-stride."""
+    case = Case(B=6, N=64, K=8, k0=2, nv=4)
+    logits, ids, w, spec = _inputs(case, SEED + 3)
+    wide = torch.cat([logits, torch.randn(6, 7, device=DEVICE)], dim=1)[:, :64]
+    assert not wide.is_contiguous()
+    out_ids, out_w = gpu_check.run_kernel(case, wide, ids, w, spec)
+    _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+
+
+@needs_kernel
+@pytest.mark.parametrize("min_batch", [1, 8])
+def test_padded_rows_may_hold_minus_one(min_batch):
+    """SGLang may set topk_ids of padded rows to -1: the kernel ignores their content (gate open)
+    and passes it through unchanged (gate closed). The oracle itself cannot gather at -1, so it
+    is run with the original ids, which it ignores on padded rows."""
+    case = Case(B=12, N=64, K=8, k0=3, nv=7, min_batch=min_batch, ties="bf16")
+    logits, ids, w, spec = _inputs(case, SEED + 4)
+    masked = ids.clone()
+    masked[case.nv :] = -1
+    out_ids, out_w = gpu_check.run_kernel(case, logits, masked, w, spec)
+    if min_batch <= case.nv:
+        _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+    else:
+        assert torch.equal(out_ids, masked) and torch.equal(out_w, w)
+
+
+@needs_kernel
+def test_is_available(monkeypatch):
+    from sglang_oea.kernels import is_available
+
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert is_available() and is_available("cpu")
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not is_available("cpu")
+    else:
+        assert is_available("cuda") and not is_available("cpu")
+
+
+@needs_kernel
+def test_gpu_check_dry_run():
+    """The prepared GPU script's CPU mode: correctness subset + graph-free replay sequence."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmark/oea/gpu_check.py"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dry run: all checks passed" in proc.stdout
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests ran in this process")
+def test_whole_file_in_the_interpreter():
+    """CPU machine, TRITON_INTERPRET unset: run this file again in a child process that has it."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
