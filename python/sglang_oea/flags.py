@@ -9,7 +9,7 @@ import logging
 from typing import Any, Callable, Mapping, Optional
 
 from sglang_oea.config import DEFAULT_MIN_BATCH, OEAConfig, build_config, parse_int_flag
-from sglang_oea.model_info import MoEShape, read_moe_shape
+from sglang_oea.model_info import SUPPORTED_FAMILIES, MoEShape, read_moe_shape
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,11 @@ def check_model(shape: Optional[MoEShape], model_path: str, cfg: OEAConfig) -> N
     """Refuse a model without routed experts; log once when k0 makes OEA a no-op."""
     if shape is None:
         raise ValueError(f"--oea-k0 needs a mixture-of-experts model with routed experts; {model_path} has none")
+    if shape.family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"--oea-k0 supports routers scored by {', '.join(SUPPORTED_FAMILIES)}; {model_path} uses "
+            f"scoring_func {shape.family!r}"
+        )
     if cfg.k0 >= shape.top_k:
         logger.warning("--oea-k0 %d >= the model's top-k %d: OEA is a no-op for %s.", cfg.k0, shape.top_k, model_path)
 

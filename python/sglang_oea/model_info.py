@@ -40,11 +40,16 @@ def _expert_count(config: Any) -> Optional[int]:
     return None
 
 
+SUPPORTED_FAMILIES = ("softmax", "sigmoid", "sigmoid+bias")
+
+
 def routing_family(config: Any) -> str:
-    """'sigmoid+bias' (DeepSeek-V3, GLM-4.5/5), 'sigmoid' or 'softmax' (Qwen3-MoE, Mixtral)."""
-    if _field(config, "scoring_func") == "sigmoid":
+    """'sigmoid+bias' (DeepSeek-V3, GLM-4.5/5), 'sigmoid', 'softmax' (Qwen3-MoE, Mixtral), or the
+    config's own scoring_func when it is something else (not supported by OEA)."""
+    scoring = _field(config, "scoring_func") or "softmax"
+    if scoring == "sigmoid":
         return "sigmoid+bias" if _field(config, "topk_method") == "noaux_tc" else "sigmoid"
-    return "softmax"
+    return scoring
 
 
 def read_moe_shape(config: Any) -> Optional[MoEShape]:

@@ -82,11 +82,16 @@ class FusedRouter:
 
 
 def router_spec_of(topk_config: Any) -> RouterSpec:
-    """RouterSpec from SGLang's TopKConfig (read by attribute, so no SGLang import)."""
+    """RouterSpec from SGLang's TopKConfig (read by attribute, so no SGLang import).
+
+    SGLang's biased grouped router (DeepSeek-V3, GLM-4.5/5: grouped + correction bias) always
+    scores with sigmoid, whatever TopKConfig.scoring_func says (GLM-4 MoE leaves it 'softmax').
+    """
     num_groups = topk_config.num_expert_group or 1
     grouped = bool(topk_config.use_grouped_topk) and num_groups > 1
+    biased_grouped = bool(topk_config.use_grouped_topk) and topk_config.correction_bias is not None
     return RouterSpec(
-        scoring_func=topk_config.scoring_func,
+        scoring_func="sigmoid" if biased_grouped else topk_config.scoring_func,
         correction_bias=topk_config.correction_bias,
         num_groups=num_groups,
         restrict_groups=grouped and (topk_config.topk_group or num_groups) < num_groups,
@@ -96,22 +101,22 @@ def router_spec_of(topk_config: Any) -> RouterSpec:
 class ExpertStats:
     """Device-side sums of distinct experts per MoE layer, before and after OEA.
 
-    sums: [MAX_LAYERS, 3] float64 on the routing device: (steps, T before, T after) per layer.
+    sums: [MAX_LAYERS, 3] int64 on the routing device: (steps, T before, T after) per layer.
     Allocated up front, so CUDA-graph capture records in-place adds into a persistent buffer.
     """
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(MAX_LAYERS, 3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(MAX_LAYERS, 3, dtype=torch.int64, device=device)
 
     def add(self, layer_id: int, before: torch.Tensor, after: torch.Tensor, gate: Any = 1) -> None:
         """gate: 1, or a 0-d device bool/int (graph replays where the batch gate was closed add 0)."""
-        row = torch.stack([torch.ones_like(before), before, after]).to(torch.float64)
+        row = torch.stack([torch.ones_like(before), before, after]).long()
         self.sums[layer_id].add_(row * gate)
 
     def drain(self) -> Optional[torch.Tensor]:
         """[L, 4] host rows (steps, T before, T after, layer id) of the layers seen since the
         last drain, or None; one device sync, then the sums restart from zero."""
-        host = self.sums.to("cpu", copy=True)
+        host = self.sums.to("cpu", copy=True).double()
         self.sums.zero_()
         layer_ids = torch.arange(MAX_LAYERS, dtype=torch.float64)[:, None]
         rows = torch.cat([host, layer_ids], dim=1)[host[:, 0] > 0]
@@ -138,13 +143,18 @@ class RouterDump:
             "step": step,
             "batch_size": router_logits.shape[0],
             "top_k": top_k,
-            "scoring_func": topk_config.scoring_func,
+            "scoring_func": router_spec_of(topk_config).scoring_func,
             "correction_bias": None if bias is None else bias.detach().float().cpu(),
             "num_expert_group": topk_config.num_expert_group or 1,
             "topk_group": topk_config.topk_group or 1,
         }
         name = f"rank{self.rank}_step{step:06d}_layer{layer_id:03d}.pt"
         torch.save(record, os.path.join(self.directory, name))
+
+
+def routing_supported(topk_config: Any) -> bool:
+    """OEA knows softmax and sigmoid(+bias) top-k routers, not custom routing functions."""
+    return topk_config.custom_routing_function is None and router_spec_of(topk_config).scoring_func in ("softmax", "sigmoid")
 
 
 class OEARuntime:
@@ -164,6 +174,7 @@ class OEARuntime:
         self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
         self.depth = 0  # nesting of SGLang forward contexts
         self.fused = FusedRouter()
+        self.unsupported_warned = False
 
     def skip_reason(self, decode: bool, num_rows: int) -> Optional[str]:
         """Why OEA does not apply to this forward pass, or None when it does."""
@@ -211,6 +222,9 @@ class OEARuntime:
         # Draft-model MoE blocks opt out of routed-expert capture; OEA leaves them alone too.
         if not self.step.decode or not topk_config.allow_routed_experts_capture:
             return None
+        if not routing_supported(topk_config):
+            self.warn_unsupported(topk_config)
+            return None
         num_shared = topk_config.num_shared_topk_slots if topk_ids.shape[1] == topk_config.top_k else 0
         routed = topk_ids.shape[1] - num_shared
         layer = layer_id or 0
@@ -227,6 +241,15 @@ class OEARuntime:
             self.stats.add(layer, before, distinct_experts(ids, num_experts, rows), gate)
         ids = torch.cat([ids.to(topk_ids.dtype), topk_ids[:, routed:]], dim=1)
         return ids, torch.cat([weights, topk_weights[:, routed:]], dim=1)
+
+    def warn_unsupported(self, topk_config: Any) -> None:
+        if not self.unsupported_warned:
+            self.unsupported_warned = True
+            logger.warning(
+                "sglang-oea: this model's router (scoring_func=%r, custom routing function: %s) is not "
+                "supported; its experts are routed unchanged.",
+                topk_config.scoring_func, topk_config.custom_routing_function is not None,
+            )
 
     def step_may_apply(self, capturing: bool) -> bool:
         """Host-side gate. Under graph capture the batch is a bucket: the real rows, known only at

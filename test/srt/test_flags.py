@@ -132,6 +132,12 @@ def test_model_without_routed_experts_is_refused(dense_model):
         flags.validate_server(OEAConfig(k0=2), settings(dense_model), lambda: config)
 
 
+def test_unsupported_router_scoring_is_refused(moe_model):
+    config = dict(json.load(open(f"{moe_model}/config.json")), scoring_func="sqrtsoftplus")
+    with pytest.raises(ValueError, match="uses scoring_func 'sqrtsoftplus'"):
+        flags.validate_server(OEAConfig(k0=2), settings(moe_model), lambda: config)
+
+
 def test_k0_at_least_top_k_is_logged_as_noop(moe_model, caplog):
     with caplog.at_level(logging.WARNING):
         flags.validate_server(OEAConfig(k0=4), settings(moe_model), lambda: json.load(open(f"{moe_model}/config.json")))

@@ -21,6 +21,7 @@ def topk_config(shared=0):
     return types.SimpleNamespace(
         top_k=TOP_K + shared, num_shared_topk_slots=shared, allow_routed_experts_capture=True,
         scoring_func="softmax", correction_bias=None, num_expert_group=None, topk_group=None, use_grouped_topk=False,
+        custom_routing_function=None,
     )
 
 
@@ -100,7 +101,7 @@ def test_graph_path_through_the_fused_kernel_in_the_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not through_the_fused_kernel"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "11 passed" in proc.stdout
+    assert "12 passed" in proc.stdout
 
 
 def test_kernel_is_used_under_the_interpreter():
@@ -122,3 +123,13 @@ def test_kernel_is_used_under_the_interpreter():
     finally:
         kernels.oea_route = original
     assert calls and got_ids.shape == (6, TOP_K)
+
+
+def test_custom_routing_function_is_left_alone(captured, caplog):
+    rt, logits, ids, weights = captured
+    rt.graph_rows.fill_(10)
+    config = topk_config()
+    config.custom_routing_function = lambda **kw: None
+    assert rt.route(ids, weights, config, logits, 0) is None
+    assert rt.route(ids, weights, config, logits, 1) is None
+    assert caplog.text.count("is not supported") == 1

@@ -52,9 +52,11 @@ def grouped_config(topk_module, topk_group, shared, renormalize=True):
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
 
     bias = torch.linspace(-0.05, 0.05, NUM_EXPERTS)
+    # As sglang/srt/models/glm4_moe.py builds it: scoring_func is left at its default ('softmax');
+    # SGLang's biased grouped router scores with sigmoid regardless.
     return topk_module.TopKConfig(
         top_k=TOP_K + shared, use_grouped_topk=True, num_expert_group=8, topk_group=topk_group,
-        renormalize=renormalize, correction_bias=bias, scoring_func="sigmoid", routed_scaling_factor=2.5,
+        renormalize=renormalize, correction_bias=bias, routed_scaling_factor=2.5,
         shared_experts=SharedExpertsConfig(num_fused_shared_experts=shared),
     )
 

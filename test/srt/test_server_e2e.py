@@ -6,6 +6,7 @@ One server at a time (this machine has 2 cores); each module-scoped fixture owns
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -35,10 +36,16 @@ def models(tmp_path_factory):
     return {arch: make_model(str(root / arch), arch) for arch in ("qwen3_moe", "glm4_moe")}
 
 
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @contextmanager
 def serve(tmp_path_factory, model, *flags, plugins=True):
     """A cpu_serve server for `model` with `flags`; plugins=False runs plain SGLang (no plugin)."""
-    port = 31000 + os.getpid() % 2000
+    port = free_port()
     env = child_env()
     env.pop("_SGLANG_OEA_CONFIG", None)
     if not plugins:
@@ -97,7 +104,8 @@ def oea_value(metrics, name, **labels):
 @pytest.fixture(scope="module")
 def plain_qwen(tmp_path_factory, models):
     with serve(tmp_path_factory, models["qwen3_moe"], "--enable-metrics", plugins=False) as (base, _):
-        yield {"texts": greedy_texts(base), "metric_names": {n for n, _ in scrape(base)}}
+        plain = {"texts": greedy_texts(base), "metric_names": {n for n, _ in scrape(base)}}
+    return plain
 
 
 def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plain_qwen):
@@ -115,14 +123,24 @@ def test_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain
     assert "OEA no-op (k0 >= top-k)" in open(log).read()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def oea_qwen(tmp_path_factory, models):
     flags = ("--oea-k0", "4", "--oea-min-batch", "3", "--enable-metrics", "--decode-log-interval", "1")
     with serve(tmp_path_factory, models["qwen3_moe"], *flags) as running:
         yield running
 
 
-def test_openai_endpoints_with_oea(oea_qwen):
+class TestQwenWithOEA:
+    """One OEA server for these tests (class scope: it stops before the glm servers start)."""
+
+    def test_openai_endpoints(self, oea_qwen):
+        check_openai_endpoints(oea_qwen)
+
+    def test_concurrent_decode_goes_through_oea(self, oea_qwen):
+        check_concurrent_decode(oea_qwen)
+
+
+def check_openai_endpoints(oea_qwen):
     base, log = oea_qwen
     chat = json.loads(post(base + "/v1/chat/completions", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] > 0
@@ -133,7 +151,8 @@ def test_openai_endpoints_with_oea(oea_qwen):
     assert "sglang-oea rank 0: OEA on, k0=4 min_batch=3" in open(log).read()
 
 
-def test_concurrent_decode_goes_through_oea_and_touches_fewer_experts(oea_qwen):
+def check_concurrent_decode(oea_qwen):
+    """Steps below min-batch are skipped, concurrent decode is routed with fewer experts."""
     base, _ = oea_qwen
     start = scrape(base)
     complete(base, "alone", 12, ignore_eos=True)  # 11 decode steps at B=1 < min batch 3
@@ -163,7 +182,8 @@ def test_concurrent_decode_goes_through_oea_and_touches_fewer_experts(oea_qwen):
 @pytest.fixture(scope="module")
 def plain_glm(tmp_path_factory, models):
     with serve(tmp_path_factory, models["glm4_moe"], plugins=False) as (base, _):
-        yield greedy_texts(base)
+        texts = greedy_texts(base)
+    return texts
 
 
 def test_glm_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_glm):
@@ -171,8 +191,10 @@ def test_glm_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, p
         assert greedy_texts(base) == plain_glm
 
 
-def test_glm_serves_with_oea_and_touches_fewer_experts(tmp_path_factory, models):
-    flags = ("--oea-k0", "3", "--oea-min-batch", "2", "--enable-metrics", "--decode-log-interval", "1")
+def test_glm_serves_with_oea_and_records_router_logits(tmp_path_factory, models):
+    dump = str(tmp_path_factory.mktemp("dump"))
+    flags = ("--oea-k0", "3", "--oea-min-batch", "2", "--enable-metrics", "--decode-log-interval", "1",
+             "--oea-dump-router-logits", dump, "--oea-dump-steps", "3")
     with serve(tmp_path_factory, models["glm4_moe"], *flags) as (base, log):
         chat = json.loads(post(base + "/v1/chat/completions", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
         assert chat["usage"]["completion_tokens"] > 0
@@ -180,4 +202,27 @@ def test_glm_serves_with_oea_and_touches_fewer_experts(tmp_path_factory, models)
         metrics = scrape(base)
     assert "routing=sigmoid+bias, groups 4/8" in open(log).read()
     assert oea_value(metrics, "sglang:oea_decode_steps_applied_total") >= 8
-    assert 0 < oea_value(metrics, "sglang:oea_active_experts_ratio") < 1
+    # Dummy weights give the correction bias a random, dominant spread, so every token may pick the
+    # same experts (before == k); OEA can then only keep T, never raise it.
+    before = oea_value(metrics, "sglang:oea_active_experts_before", layer="0")
+    after = oea_value(metrics, "sglang:oea_active_experts_after", layer="0")
+    assert TOP_K <= after <= before, (before, after)
+    check_router_dump(dump)
+
+
+def check_router_dump(dump):
+    """Bounded: 3 decode steps x 2 layers, with the router's settings; the simulator reads them."""
+    import torch
+
+    files = sorted(os.listdir(dump))
+    steps = {name.split("_")[1] for name in files}
+    assert len(steps) == 3 and len(files) == 3 * 2
+    record = torch.load(os.path.join(dump, files[0]))
+    assert record["router_logits"].shape == (record["batch_size"], NUM_EXPERTS)
+    assert (record["scoring_func"], record["num_expert_group"], record["topk_group"], record["top_k"]) == ("sigmoid", 8, 4, TOP_K)
+    assert record["correction_bias"].shape == (NUM_EXPERTS,)
+    here = os.path.dirname(os.path.abspath(__file__))
+    simulate = os.path.join(here, "..", "..", "benchmark", "oea", "simulate.py")
+    proc = subprocess.run([sys.executable, simulate, "--dump-dir", dump, "--k0", "3", "--out-dir", os.path.join(dump, "sim")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
