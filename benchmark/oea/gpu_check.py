@@ -4,13 +4,17 @@ at most 5 minutes. Needs only torch, triton and this repository's python/ (no SG
 Checks:
   1. correctness: kernel == sglang_oea.routing.route_from_logits on the device, over the sampled
      grid that test/srt/test_oea_kernel.py uses (plus large-B cases), and bitwise determinism;
+     the kernel's expert counters (`stats=`) == gate * (1, T before, T after) from
+     sglang_oea.reference (each case runs once with and once without them, bitwise equal);
   2. CUDA-graph replay: captured once at bucket size 16, replayed with 16, 13, 9, 1 real rows (a
      persistent int32 row count updated before each replay): each replay equals the reference with
      num_valid_rows = that count; padded rows hold only experts of U (or all of U when |U| < K),
      the batch loads max(|U|, K) distinct experts, and the device-side batch gate opens/closes;
+     the captured expert counters accumulate over the replays as the reference says;
   3. routing time under CUDA-graph replay (median, p20, p80 over many replays), fused kernel vs
      the pure-torch reference vs plain routing (softmax + torch.topk) as the floor;
      target: the kernel costs <= 10 us per MoE layer at B <= 256 and <= 3x plain routing;
+     and the expert counters (kernel with `stats=` minus kernel without) cost < 1 us per layer;
   4. MoE-layer time vs T (distinct experts) on bf16 Qwen3-30B-A3B shapes (hidden 2048, expert
      intermediate 768, 128 experts, top-8, B = 16): a small Triton grouped GEMM, vanilla routing vs
      OEA k0 in {3, 4, 5, 6}, next to the paper's H100 ratios; a least-squares fit of time vs T.
@@ -22,6 +26,7 @@ Checks:
 --dry-run sets TRITON_INTERPRET=1 (Triton's CPU interpreter) and runs a correctness subset, a
 graph-free stand-in of check 2 and a tiny grouped-GEMM check. The exit status is 1 when any
 correctness check fails; the time targets of check 3 are reported as pass/fail, not enforced.
+The dry run exercises the counters too (half of its check-1 cases, and every call of check 2).
 """
 
 import argparse
@@ -88,12 +93,13 @@ class Case:
     w_dtype: torch.dtype = torch.float32
     min_batch: int = 1
     max_batch: int = 0
+    stats: bool = False  # pass the expert counters (oea_route's stats=) and check them
 
     def __str__(self) -> str:
         parts = [f"B{self.B}", f"N{self.N}", f"K{self.K}", f"k0{self.k0}", f"nv{self.nv}", self.scoring]
         parts += ["bias"] * self.bias + [f"G{self.groups}r"] * self.restrict + [self.ties]
         parts += [str(self.ids_dtype).split(".")[-1], str(self.w_dtype).split(".")[-1]]
-        return "-".join(parts + [f"gate{self.min_batch}:{self.max_batch}"])
+        return "-".join(parts + [f"gate{self.min_batch}:{self.max_batch}"] + ["stats"] * self.stats)
 
 
 def group_count(N: int, K: int, rng: random.Random) -> Optional[int]:
@@ -155,7 +161,8 @@ def sampled_cases(seed: int = SEED) -> List[Case]:
         Case(B=9, N=256, K=8, k0=3, scoring="sigmoid", bias=True, groups=8, restrict=True, ties="bf16"),
         Case(B=1024, N=64, K=8, k0=3, nv=1001, ties="bf16"),
     ]
-    return cases
+    # Every other case also counts distinct experts (the other half keeps the plain path tested).
+    return [replace(c, stats=i % 2 == 0) for i, c in enumerate(cases)]
 
 
 def large_cases() -> List[Case]:
@@ -207,7 +214,7 @@ def num_valid_arg(case: Case, device):
     return torch.full(shape, case.nv, dtype=torch.int32, device=device)
 
 
-def run_kernel(case: Case, logits, ids, w, spec: RouterSpec, num_valid=None, workspace=None):
+def run_kernel(case: Case, logits, ids, w, spec: RouterSpec, num_valid=None, workspace=None, stats=None):
     """The fused kernel on one case; num_valid defaults to num_valid_arg(case)."""
     return kernels().oea_route(
         logits,
@@ -222,7 +229,40 @@ def run_kernel(case: Case, logits, ids, w, spec: RouterSpec, num_valid=None, wor
         min_batch=case.min_batch,
         max_batch=case.max_batch,
         workspace=workspace,
+        stats=stats,
     )
+
+
+def new_stats(device, layers: int = 3, layer: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A persistent [layers, 3] int64 counter buffer and its row `layer`, as the runtime holds them."""
+    sums = torch.zeros(layers, 3, dtype=torch.int64, device=device)
+    return sums, sums[layer]
+
+
+def expected_stats(case: Case, logits, ids, w, spec: RouterSpec, nv=None) -> List[int]:
+    """What one call adds to its stats row: gate * (1, T before, T after), from sglang_oea.reference;
+    nothing when k0 >= K (the launcher returns the router's tensors without a launch)."""
+    from sglang_oea.reference import batch_gate, distinct_experts
+
+    nv = case.nv if nv is None else nv
+    if case.k0 >= case.K or case.B == 0:
+        return [0, 0, 0]
+    if not bool(batch_gate(case.B if nv is None else nv, case.min_batch, case.max_batch)):
+        return [0, 0, 0]
+    ref_ids, _ = route_from_logits(logits, ids, w, spec, case.k0, nv, case.min_batch, case.max_batch)
+    before = distinct_experts(ids.cpu(), case.N, nv)
+    after = distinct_experts(ref_ids.cpu(), case.N, nv)
+    return [1, int(before), int(after)]
+
+
+def stats_error(case: Case, sums: torch.Tensor, layer: int, want: List[int]) -> Optional[str]:
+    """None when row `layer` of sums holds `want` and every other row is still zero."""
+    got = sums.cpu()
+    if got[layer].tolist() != want:
+        return f"{case}: stats (steps, T before, T after) = {got[layer].tolist()}, expected {want}"
+    if torch.cat([got[:layer], got[layer + 1 :]]).any():
+        return f"{case}: stats wrote outside its row: {got.tolist()}"
+    return None
 
 
 def compare(case: Case, out_ids, out_w, logits, ids, w, spec: RouterSpec, nv=None) -> Optional[str]:
@@ -253,17 +293,28 @@ def compare(case: Case, out_ids, out_w, logits, ids, w, spec: RouterSpec, nv=Non
 
 
 def check_case(case: Case, device="cpu") -> Optional[str]:
-    """Run one case against the reference; on CUDA, also require a bitwise-identical second run."""
+    """Run one case against the reference (with the expert counters if case.stats); on CUDA, also
+    require a bitwise-identical second run, which flips the counters on or off."""
     import zlib
 
     gen = torch.Generator().manual_seed(SEED + zlib.crc32(str(case).encode()))
     logits, ids, w, spec = router_inputs(case, gen, device)
-    out_ids, out_w = run_kernel(case, logits, ids, w, spec)
-    err = compare(case, out_ids, out_w, logits, ids, w, spec)
+
+    def run(with_stats: bool):
+        sums, row = new_stats(device) if with_stats else (None, None)
+        out = run_kernel(case, logits, ids, w, spec, stats=row)
+        err = None
+        if with_stats:
+            err = stats_error(case, sums, 1, expected_stats(case, logits, ids, w, spec))
+        return out, err
+
+    (out_ids, out_w), stats_err = run(case.stats)
+    err = compare(case, out_ids, out_w, logits, ids, w, spec) or stats_err
     if err is None and device != "cpu":
-        again_ids, again_w = run_kernel(case, logits, ids, w, spec)
-        if not (torch.equal(again_ids, out_ids) and torch.equal(again_w, out_w)):
-            err = f"{case}: second run differs (non-deterministic)"
+        out_ids, out_w = out_ids.clone(), out_w.clone()  # a workspace-less call: fresh buffers anyway
+        (again_ids, again_w), err = run(not case.stats)
+        if err is None and not (torch.equal(again_ids, out_ids) and torch.equal(again_w, out_w)):
+            err = f"{case}: second run (stats={not case.stats}) differs (non-deterministic)"
     return err
 
 
@@ -344,9 +395,11 @@ def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[st
         logits, ids, w, spec = router_inputs(case, gen, device)
         num_valid = torch.full((1,), bucket, dtype=torch.int32, device=device)
         ws = oea.OEAWorkspace.allocate(case.N, case.K, bucket, ids.dtype, w.dtype, device)
+        sums, stats_row = new_stats(device)  # persistent, captured like the runtime's [L, 3] sums
+        want_sums = [0, 0, 0]
 
         def route():
-            return run_kernel(case, logits, ids, w, spec, num_valid=num_valid, workspace=ws)
+            return run_kernel(case, logits, ids, w, spec, num_valid=num_valid, workspace=ws, stats=stats_row)
 
         if use_graph:
             side = torch.cuda.Stream()
@@ -357,6 +410,7 @@ def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[st
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out_ids, out_w = route()
+            sums.zero_()  # the eager warm-up call counted too
         statuses = []
         for n in counts:
             new_logits, new_ids, new_w, _ = router_inputs(case, gen, device)
@@ -376,13 +430,17 @@ def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[st
                 err = "; ".join(_fill_order_errors(case, out_ids.cpu(), ref_ids.cpu(), n)) or None
             if err is None and not gate_open and not (torch.equal(out_ids, ids) and torch.equal(out_w, w)):
                 err = f"{case}: gate closed at {n} rows but the output is not the router's own"
-            if int(ws.union.count_nonzero()) or int(ws.counter.item()):
+            added = expected_stats(case, logits, ids, w, spec, nv=n)
+            want_sums = [a + b for a, b in zip(want_sums, added)]
+            if err is None:
+                err = stats_error(case, sums, 1, want_sums)
+            if int(ws.union.count_nonzero()) or int(ws.routed.count_nonzero()) or int(ws.counter.item()):
                 err = (err or "") + " workspace not left clean"
             statuses.append(f"{n}:{'ok' if err is None else 'FAIL'}{'' if gate_open else '(gate closed)'}")
             if err:
                 failures.append(f"graph replay {case} rows={n}: {err}")
         lines.append(f"| {case.N}/{case.K} k0={case.k0} {case.scoring} gate {case.min_batch}:{case.max_batch} | "
-                     + " ".join(statuses) + " |")
+                     + " ".join(statuses) + f"; stats (steps, T before, T after) {sums[1].tolist()} |")
     return failures, lines
 
 
@@ -440,11 +498,12 @@ def bench_routing(
     batch_sizes: Sequence[int] = (1, 4, 16, 64, 256, 1024),
 ) -> Tuple[List[str], List[str], Dict[Tuple[int, int, int], float]]:
     """Check 3: routing time per MoE layer. Returns (target misses, report lines, kernel us by
-    (N, K, B))."""
+    (N, K, B)). "stats overhead us" = median of the kernel with stats= minus the kernel without."""
     oea = kernels()
     lines = [
-        "| N/K | B | plain softmax+topk us | reference us | fused kernel us (p20-p80) | kernel/plain | target |",
-        "|---|---|---|---|---|---|---|",
+        "| N/K | B | plain softmax+topk us | reference us | fused kernel us (p20-p80) | kernel/plain | target "
+        "| stats overhead us | target < 1 us |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     misses, kernel_us = [], {}
     for N, K in shapes:
@@ -454,6 +513,10 @@ def bench_routing(
             num_valid = torch.full((1,), B, dtype=torch.int32, device=device)
             ws = oea.OEAWorkspace.allocate(N, K, B, ids.dtype, w.dtype, device)
             kernel = graph_time_us(lambda: run_kernel(case, logits, ids, w, spec, num_valid=num_valid, workspace=ws))
+            _, stats_row = new_stats(device)
+            counted = graph_time_us(
+                lambda: run_kernel(case, logits, ids, w, spec, num_valid=num_valid, workspace=ws, stats=stats_row)
+            )
             ref = graph_time_us(lambda: route_from_logits(logits, ids, w, spec, case.k0, num_valid))
             plain = graph_time_us(lambda: torch.topk(torch.softmax(logits.float(), dim=-1), K, dim=-1))
             kernel_us[(N, K, B)] = kernel[0]
@@ -461,9 +524,14 @@ def bench_routing(
             ok = ratio <= 3.0 and (B > 256 or kernel[0] <= 10.0)
             if not ok:
                 misses.append(f"routing N={N} K={K} B={B}: kernel {kernel[0]:.1f} us, {ratio:.2f}x plain")
+            overhead = counted[0] - kernel[0]
+            stats_ok = overhead < 1.0
+            if not stats_ok:
+                misses.append(f"stats N={N} K={K} B={B}: +{overhead:.2f} us per layer")
             lines.append(
                 f"| {N}/{K} | {B} | {plain[0]:.1f} | {ref[0]:.1f}{' (eager)' if ref[3] == 'eager' else ''} | "
-                f"{kernel[0]:.1f} ({kernel[1]:.1f}-{kernel[2]:.1f}) | {ratio:.2f}x | {'pass' if ok else 'FAIL'} |"
+                f"{kernel[0]:.1f} ({kernel[1]:.1f}-{kernel[2]:.1f}) | {ratio:.2f}x | {'pass' if ok else 'FAIL'} "
+                f"| {overhead:+.2f} (with stats {counted[0]:.1f}) | {'pass' if stats_ok else 'FAIL'} |"
             )
             print("  " + lines[-1])
     return misses, lines, kernel_us
@@ -769,9 +837,10 @@ def _versions() -> str:
 def dry_run(workers: int = 1) -> int:
     """CPU, interpreter: a correctness subset, check 2 without a graph, a tiny grouped GEMM."""
     t0 = time.time()
-    cases = [c for c in sampled_cases() if c.B <= 16][::4][:12]
+    cases = [replace(c, stats=i % 2 == 0) for i, c in enumerate([c for c in sampled_cases() if c.B <= 16][::4][:12])]
     errors, secs = check_correctness(cases, "cpu", workers=workers)
-    print(f"check 1 (subset of {len(cases)} cases): {len(errors)} failures, {secs:.1f} s")
+    print(f"check 1 (subset of {len(cases)} cases, {sum(c.stats for c in cases)} with stats): "
+          f"{len(errors)} failures, {secs:.1f} s")
     graph_errors, lines = check_graph_replay("cpu", use_graph=False)
     print("check 2 (no graph):\n" + "\n".join(lines))
     gemm_error = check_grouped_gemm_small("cpu")
@@ -829,7 +898,7 @@ def gpu_run(out_path: Path, workers: int, budget_s: float) -> int:
             report.append("skipped: out of time budget")
             return
         misses, lines, kernel_us = bench_routing(device)
-        report.extend(lines + ["", "Targets (kernel <= 10 us at B <= 256, <= 3x plain): "
+        report.extend(lines + ["", "Targets (kernel <= 10 us at B <= 256, <= 3x plain; stats overhead < 1 us): "
                                + ("all pass." if not misses else "; ".join(misses) + ".")])
         state["routing_us"] = kernel_us.get((128, 8, 16))
 

@@ -64,21 +64,23 @@ class FusedRouter:
             self.workspaces[layer] = ws
         return ws
 
-    def __call__(self, layer, router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch, capturing):
+    def __call__(self, layer, router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch, capturing, stats=None):
+        """(ids, weights, counted): counted is True when the kernel added to `stats` itself."""
         from sglang_oea import kernels
 
         # Under TRITON_INTERPRET=1 (tests) the kernel also runs on CPU tensors.
         wanted = router_logits.is_cuda or kernels.interpret_mode()
         if not (wanted and kernels.is_available(router_logits.device)):
-            return route_from_logits(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch)
+            ids, weights = route_from_logits(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch)
+            return ids, weights, False
         ws = self.workspace(layer, router_logits, topk_ids, topk_weights, capturing)
         ids, weights = kernels.oea_route(
             router_logits, topk_ids, topk_weights, k0=k0, scoring_func=spec.scoring_func,
             correction_bias=spec.correction_bias, num_groups=spec.num_groups,
             restrict_groups=spec.restrict_groups, num_valid_rows=rows, min_batch=min_batch,
-            max_batch=max_batch, workspace=ws,
+            max_batch=max_batch, workspace=ws, stats=stats,
         )
-        return ids.long(), weights
+        return ids.long(), weights, stats is not None
 
 
 def router_spec_of(topk_config: Any) -> RouterSpec:
@@ -233,8 +235,8 @@ class OEARuntime:
             self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], topk_config, routed)
         if self.cfg.k0 >= routed or not self.step_may_apply(capturing):
             return None
-        ids, weights, gate = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], topk_config, capturing)
-        if self.stats is not None:
+        ids, weights, gate, counted = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], topk_config, capturing)
+        if self.stats is not None and not counted:
             rows = self.graph_rows if capturing else self.step.num_rows
             num_experts = router_logits.shape[1]
             before = distinct_experts(topk_ids[:, :routed], num_experts, rows)
@@ -259,11 +261,16 @@ class OEARuntime:
         return self.step.apply
 
     def route_routed(self, layer, router_logits, topk_ids, topk_weights, topk_config, capturing):
-        """(ids, weights, gate) for the routed columns; gate is 1, or a device 0/1 when capturing."""
+        """(ids, weights, gate, counted) for the routed columns.
+
+        gate is 1, or a device 0/1 when capturing; counted says the kernel already added this
+        call's distinct-expert counts to the stats (the pure-torch path leaves that to route()).
+        """
         spec = router_spec_of(topk_config)
+        stats = None if self.stats is None else self.stats.sums[layer]
         if not capturing:  # the host already gated this step on its real rows
-            ids, weights = self.fused(layer, router_logits, topk_ids, topk_weights, spec, self.cfg.k0, self.step.num_rows, 1, 0, False)
-            return ids, weights, 1
-        rows, lo, hi = self.graph_rows, self.cfg.min_batch, self.cfg.max_batch
-        ids, weights = self.fused(layer, router_logits, topk_ids, topk_weights, spec, self.cfg.k0, rows, lo, hi, True)
-        return ids, weights, batch_gate(rows, lo, hi)
+            rows, lo, hi = self.step.num_rows, 1, 0
+        else:
+            rows, lo, hi = self.graph_rows, self.cfg.min_batch, self.cfg.max_batch
+        ids, weights, counted = self.fused(layer, router_logits, topk_ids, topk_weights, spec, self.cfg.k0, rows, lo, hi, capturing, stats)
+        return ids, weights, (batch_gate(rows, lo, hi) if capturing else 1), counted

@@ -9,13 +9,15 @@ In a plain `pytest test/srt` on a CPU machine (no TRITON_INTERPRET), the kernel 
 here and test_whole_file_in_the_interpreter runs this file in a child process that has it.
 
 The interpreter costs ~20-40 ms per row, so the grid is sampled: every listed N, K and every
-k0 < K appears in some case. The grid, the inputs and the comparison live in
+k0 < K appears in some case. Half of the grid also passes the expert counters (`stats=`) and
+checks them against sglang_oea.reference.distinct_experts and batch_gate. The grid, the inputs and the comparison live in
 benchmark/oea/gpu_check.py, which runs the same grid on a GPU.
 """
 
 import importlib
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +74,11 @@ def test_grid_covers_every_listed_value():
     assert any(c.nv == 0 and c.min_batch == 1 for c in CASES)  # gate closed
     assert {"softmax", "sigmoid"} == {c.scoring for c in CASES} and any(c.bias for c in CASES)
     assert any(c.restrict for c in CASES) and {"none", "bf16", "few"} == {c.ties for c in CASES}
+    counted = [c for c in CASES if c.stats]
+    assert 0 < len(counted) < len(CASES)  # both paths of the kernel
+    assert any(c.nv is not None and 0 < c.nv < c.B for c in counted)  # padded rows
+    assert any(c.nv == 0 for c in counted) and any(c.nv is None for c in counted)
+    assert {"0d", "1d", "int"} <= {c.nv_kind for c in counted} and any(c.restrict for c in counted)
 
 
 @needs_kernel
@@ -97,10 +104,12 @@ GATE_CASES = [
 def test_gate_closed_returns_router_output_bit_for_bit(min_batch, max_batch, nv, B, nv_kind):
     case = Case(B=B, N=64, K=8, k0=3, nv=nv, nv_kind=nv_kind, min_batch=min_batch, max_batch=max_batch)
     logits, ids, w, spec = _inputs(case, SEED)
-    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec)
+    sums, row = gpu_check.new_stats(DEVICE)
+    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, stats=row)
     assert out_ids.dtype == ids.dtype and out_w.dtype == w.dtype
     assert torch.equal(out_ids, ids)
     assert torch.equal(out_w.view(torch.int32), w.view(torch.int32))
+    assert not sums.any()  # a closed gate counts nothing
 
 
 @needs_kernel
@@ -108,9 +117,12 @@ def test_gate_closed_returns_router_output_bit_for_bit(min_batch, max_batch, nv,
 def test_gate_open_at_its_bounds(min_batch, max_batch, nv):
     case = Case(B=10, N=128, K=8, k0=4, nv=nv, min_batch=min_batch, max_batch=max_batch, ties="bf16")
     logits, ids, w, spec = _inputs(case, SEED + 1)
-    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec)
+    sums, row = gpu_check.new_stats(DEVICE)
+    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, stats=row)
     assert not torch.equal(out_ids, ids)  # OEA changed something
     _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+    want = gpu_check.expected_stats(case, logits, ids, w, spec)
+    assert want[0] == 1 and gpu_check.stats_error(case, sums, 1, want) is None, (sums, want)
 
 
 @needs_kernel
@@ -124,15 +136,75 @@ def test_workspace_is_reused_and_left_clean():
         out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, workspace=ws)
         assert out_ids.data_ptr() == ws.out_ids.data_ptr() and out_ids.shape == (B, 6)
         assert int(ws.union.count_nonzero()) == 0 and int(ws.counter.item()) == 0
+        assert int(ws.routed.count_nonzero()) == 0
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+
+
+# (B, real rows, nv_kind, scoring, restrict, min_batch, max_batch, stats?): one persistent
+# workspace and one [L, 3] buffer over all calls, so every call adds to what the previous left.
+STATS_CALLS = [
+    (16, 16, "1d", "softmax", False, 1, 0, True),  # full batch
+    (13, 5, "0d", "sigmoid", True, 1, 0, True),  # padded rows, grouped
+    (9, 1, "0d", "softmax", False, 1, 0, True),  # one real row: T after = max(|U|, K) = K
+    (12, 3, "1d", "softmax", False, 4, 0, True),  # gate closed: below min_batch
+    (16, 14, "int", "sigmoid", False, 2, 12, True),  # gate closed: above max_batch
+    (7, 0, "1d", "softmax", False, 0, 0, True),  # gate open, no real row: (1, 0, 0)
+    (11, 11, "0d", "softmax", False, 1, 0, False),  # no stats: the buffer is untouched
+    (6, 20, "int", "sigmoid", True, 1, 0, True),  # more real rows than rows: all 6 count
+    (14, 8, "1d", "softmax", False, 2, 8, True),  # gate open at max_batch
+]
+
+
+@needs_kernel
+def test_stats_count_distinct_experts_and_accumulate():
+    """stats += gate * (1, T before, T after): T from reference.distinct_experts over the valid rows
+    of the router's ids (before) and of the OEA ids (after); the gate from reference.batch_gate."""
+    from sglang_oea.reference import batch_gate, distinct_experts
+
+    N, K, k0, layer = 96, 6, 2, 2
+    ws = OEAWorkspace.allocate(N, K, 16, torch.int32, torch.float32, DEVICE)
+    sums = torch.zeros(4, 3, dtype=torch.int64, device=DEVICE)
+    want = [0, 0, 0]
+    groups = gpu_check.group_count(N, K, random.Random(SEED)) or 4
+    for i, (B, nv, kind, scoring, restrict, lo, hi, counted) in enumerate(STATS_CALLS):
+        case = Case(B=B, N=N, K=K, k0=k0, nv=nv, nv_kind=kind, scoring=scoring, bias=scoring == "sigmoid",
+                    groups=groups if restrict else 1, restrict=restrict, ties="bf16", min_batch=lo, max_batch=hi)
+        logits, ids, w, spec = _inputs(case, SEED + 40 + i)
+        out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, workspace=ws,
+                                              stats=sums[layer] if counted else None)
+        _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+        if counted:
+            added = gpu_check.expected_stats(case, logits, ids, w, spec)
+            gate = bool(batch_gate(nv, lo, hi))
+            # The counters' definition, spelled out once against the kernel's own output.
+            assert added == ([1, int(distinct_experts(ids, N, nv)), int(distinct_experts(out_ids, N, nv))]
+                             if gate else [0, 0, 0]), (case, added)
+            want = [a + b for a, b in zip(want, added)]
+        err = gpu_check.stats_error(case, sums, layer, want)
+        assert err is None, f"call {i}: {err}"
+        assert int(ws.union.count_nonzero()) == 0 and int(ws.routed.count_nonzero()) == 0
+        assert int(ws.counter.item()) == 0
+    assert want[0] == 6 and want[1] > want[2] > 0  # the sequence opened the gate 6 times
+
+
+@needs_kernel
+def test_stats_argument_is_checked():
+    case = Case(B=4, N=64, K=4, k0=2)
+    logits, ids, w, spec = _inputs(case, SEED)
+    for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE),
+                torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)[:, 0]):
+        with pytest.raises(AssertionError, match="stats"):
+            gpu_check.run_kernel(case, logits, ids, w, spec, stats=bad)
 
 
 @needs_kernel
 def test_k0_at_least_k_returns_the_router_tensors():
     case = Case(B=5, N=64, K=4, k0=4)
     logits, ids, w, spec = _inputs(case, SEED)
-    out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None)
+    sums = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None, stats=sums)
     assert out_ids is ids and out_w is w
+    assert not sums.any()  # no launch, nothing counted (documented)
 
 
 @needs_kernel
@@ -156,11 +228,17 @@ def test_padded_rows_may_hold_minus_one(min_batch):
     logits, ids, w, spec = _inputs(case, SEED + 4)
     masked = ids.clone()
     masked[case.nv :] = -1
-    out_ids, out_w = gpu_check.run_kernel(case, logits, masked, w, spec)
+    ws = OEAWorkspace.allocate(64, 8, 12, ids.dtype, w.dtype, DEVICE)
+    sums, row = gpu_check.new_stats(DEVICE)
+    out_ids, out_w = gpu_check.run_kernel(case, logits, masked, w, spec, workspace=ws, stats=row)
     if min_batch <= case.nv:
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
     else:
         assert torch.equal(out_ids, masked) and torch.equal(out_w, w)
+    # Padded rows' -1 ids are not counted (the expected counts use the unmasked ids, valid rows only).
+    err = gpu_check.stats_error(case, sums, 1, gpu_check.expected_stats(case, logits, ids, w, spec))
+    assert err is None, err
+    assert int(ws.routed.count_nonzero()) == 0 and int(ws.union.count_nonzero()) == 0
 
 
 @needs_kernel

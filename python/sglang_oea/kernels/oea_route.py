@@ -10,10 +10,17 @@ experts (or the fills), computes the weights and applies the batch gate. The las
 finish (an atomic ticket counter) clears U again, so the workspace is clean for the next call
 without any extra launch or torch op.
 
+Optional per-layer statistics (`stats=`, an int64 [3] view of a persistent [L, 3] buffer): launch 1
+also marks every routed id of a valid row in a second bitmap R [N] int32; the last program of
+launch 2 counts U and R, adds gate * (1, |R|, T_after) to stats with integer atomics and clears R
+with U. T_after = max(|U|, K) if there is a valid row, else 0: the number of distinct experts in
+the output rows of the valid rows (the fill order guarantees it; see `oea_route`). No extra launch.
+
 Graph safety: no host sync, no shape that depends on tensor values, and with a workspace no
 allocation. The row count and the gate are read on the device from `num_valid_rows`.
-Determinism: no floating-point atomics; each row's result depends only on its inputs and on U,
-so every TP rank that sees the same logits produces the same ids and weights.
+Determinism: no floating-point atomics (the statistics are integer atomics, so their sums do not
+depend on the order either); each row's result depends only on its inputs and on U, so every TP
+rank that sees the same logits produces the same ids and weights.
 
 Use under CUDA graphs (one workspace per MoE layer, allocated before capture):
 
@@ -23,6 +30,8 @@ Use under CUDA graphs (one workspace per MoE layer, allocated before capture):
     ids, weights = oea_route(logits, topk_ids, topk_weights, k0=3, scoring_func="softmax",
                              num_valid_rows=real_rows, min_batch=4, max_batch=0, workspace=ws)
     # before each replay: real_rows.fill_(n)  (or copy_ from the batch's row count)
+    # optional counters: sums = torch.zeros(L, 3, dtype=torch.int64, device="cuda") before capture,
+    # then pass stats=sums[layer]; read sums on the host whenever (one sync), zero it in place.
 
 `ids`/`weights` are views ws.out_ids[:B] / ws.out_weights[:B]: the same memory on every replay,
 overwritten by the next call with the same workspace.
@@ -135,6 +144,7 @@ def _oea_union_kernel(
     bias_ptr,
     topk_ids_ptr,
     union_ptr,
+    routed_ptr,
     num_valid_ptr,
     num_valid,
     k0,
@@ -144,6 +154,7 @@ def _oea_union_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     VALID_FROM_PTR: tl.constexpr,
+    STATS: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     N_PAD: tl.constexpr,
@@ -153,6 +164,7 @@ def _oea_union_kernel(
     logits [B, N], topk_ids [B, K] (any column order), bias [N] (sigmoid only), union [N] int32
     (all zero on entry). Program r handles row r; rows >= num_valid_rows write nothing.
     base_r = the k0 routed ids of row r with the highest selection score (ties: lower id).
+    STATS: also R[e] = 1 (routed [N] int32, zero on entry) for every routed id e of a valid row.
     """
     row = tl.program_id(0).to(tl.int64)
     rows = _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR)
@@ -161,6 +173,10 @@ def _oea_union_kernel(
     ids, _, _, is_base = _rank_routed(topk_ids_ptr + row * stride_ids, sel, cols, k0, K, K_PAD)
     ones = tl.full([K_PAD], 1, tl.int32)
     tl.store(union_ptr + ids, ones, mask=is_base & (row < rows))
+    if STATS:
+        # Every writer stores 1 here too. The range test keeps a bad id from writing elsewhere.
+        in_range = (tl.arange(0, K_PAD) < K) & (ids >= 0) & (ids < N)
+        tl.store(routed_ptr + ids, ones, mask=in_range & (row < rows))
 
 
 @triton.jit(do_not_specialize=["num_valid", "k0", "min_batch", "max_batch"])
@@ -170,7 +186,9 @@ def _oea_route_kernel(
     topk_ids_ptr,
     topk_weights_ptr,
     union_ptr,
+    routed_ptr,
     counter_ptr,
+    stats_ptr,
     out_ids_ptr,
     out_weights_ptr,
     num_valid_ptr,
@@ -189,6 +207,7 @@ def _oea_route_kernel(
     HAS_BIAS: tl.constexpr,
     RESTRICT_GROUPS: tl.constexpr,
     VALID_FROM_PTR: tl.constexpr,
+    STATS: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     N_PAD: tl.constexpr,
@@ -205,6 +224,9 @@ def _oea_route_kernel(
     Fill order: U by id ascending, then the rest by id ascending, minus held experts.
     Weights: w_j = active_j * p[id_j] / sum_j'(active * p) * sum_j(topk_weights), 0 if the
     active sum is 0. Gate closed: out = (topk_ids, topk_weights) bit for bit.
+
+    STATS: the last program adds gate * (1, |R|, T_after) to stats [3] int64 (R from launch 1,
+    T_after = max(|U|, K) if num_valid_rows >= 1 else 0) and clears R with U.
     """
     row = tl.program_id(0).to(tl.int64)
     rows = _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR)
@@ -222,6 +244,10 @@ def _oea_route_kernel(
         sel = _mask_foreign_groups(sel, ids, cols, group_size, K, K_PAD)
     held = valid & (tl.max((hit & is_base[:, None]).to(tl.int32), axis=0) > 0)
     in_union = tl.load(union_ptr + cols, mask=in_row, other=0) != 0
+    if STATS:
+        # Read by every program next to U (R is stable in this launch), so that the last one
+        # adds no load latency to the serial tail; only the last program uses it.
+        routed = tl.load(routed_ptr + cols, mask=in_row, other=0) != 0
     key = _pick_keys(sel, in_union, held, cols, N, valid)
 
     # Base slots: slot s holds the routed id of rank s.
@@ -258,6 +284,18 @@ def _oea_route_kernel(
     tl.debug_barrier()
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
+        if STATS:
+            # U and R were written by launch 1, and U is not cleared before this point, so the
+            # values loaded above are the final ones. Every valid row's output is its base and
+            # experts of U, completed from the shared fill order (U by id, then the rest by id),
+            # so the valid rows together use exactly max(|U|, K) experts (U when |U| >= K).
+            n_union = tl.sum(in_union.to(tl.int32), axis=0).to(tl.int64)
+            n_before = tl.sum(routed.to(tl.int32), axis=0).to(tl.int64)
+            n_after = tl.where(rows > 0, tl.maximum(n_union, K), 0).to(tl.int64)
+            which = tl.arange(0, 4)
+            add = tl.where(which == 0, 1, tl.where(which == 1, n_before, n_after)).to(tl.int64)
+            tl.atomic_add(stats_ptr + which, add, mask=(which < 3) & gate, sem="relaxed", scope="gpu")
+            tl.store(routed_ptr + cols, tl.zeros([N_PAD], tl.int32), mask=in_row)
         tl.store(union_ptr + cols, tl.zeros([N_PAD], tl.int32), mask=in_row)
         tl.store(counter_ptr, 0)
 
@@ -267,6 +305,8 @@ class OEAWorkspace:
     """Preallocated buffers, so that `oea_route` allocates nothing (CUDA-graph capture).
 
     union: [N] int32, all zero between calls (launch 2 clears it).
+    routed: [N] int32, the routed-experts bitmap of the statistics (`stats=`); all zero between
+        calls (launch 2 clears it); untouched by calls without stats.
     counter: [1] int32, zero between calls (launch 2 resets it).
     out_ids: [max_rows, K] in the router's ids dtype; out_weights: [max_rows, K] in its
         weights dtype. A call with B rows writes and returns views out_ids[:B], out_weights[:B].
@@ -278,6 +318,7 @@ class OEAWorkspace:
     """
 
     union: torch.Tensor
+    routed: torch.Tensor
     counter: torch.Tensor
     out_ids: torch.Tensor
     out_weights: torch.Tensor
@@ -294,19 +335,23 @@ class OEAWorkspace:
     ) -> "OEAWorkspace":
         return cls(
             union=torch.zeros(num_experts, dtype=torch.int32, device=device),
+            routed=torch.zeros(num_experts, dtype=torch.int32, device=device),
             counter=torch.zeros(1, dtype=torch.int32, device=device),
             out_ids=torch.empty(max_rows, top_k, dtype=ids_dtype, device=device),
             out_weights=torch.empty(max_rows, top_k, dtype=weights_dtype, device=device),
         )
 
     def reset(self) -> None:
-        """Zero U and the counter (only needed if a call was interrupted half-way)."""
+        """Zero U, R and the counter (only needed if a call was interrupted half-way)."""
         self.union.zero_()
+        self.routed.zero_()
         self.counter.zero_()
 
     def check(self, num_rows: int, num_experts: int, top_k: int, ids: torch.Tensor, weights: torch.Tensor):
         """Assert that this workspace fits a call (shapes and dtypes only: no device sync)."""
         assert self.union.shape == (num_experts,) and self.union.dtype == torch.int32, f"{self.union.shape=}"
+        assert self.routed.shape == (num_experts,) and self.routed.dtype == torch.int32, f"{self.routed.shape=}"
+        assert self.routed.device == self.union.device, f"{self.routed.device=}"
         assert self.counter.shape == (1,) and self.counter.dtype == torch.int32, f"{self.counter.shape=}"
         assert self.out_ids.shape[0] >= num_rows and self.out_ids.shape[1] == top_k, f"{self.out_ids.shape=}"
         assert self.out_weights.shape == self.out_ids.shape, f"{self.out_weights.shape=}"
@@ -334,6 +379,7 @@ def oea_route(
     min_batch: int = 1,
     max_batch: int = 0,
     workspace: Optional[OEAWorkspace] = None,
+    stats: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gated OEA routing from logits; same result as sglang_oea.routing.route_from_logits.
 
@@ -350,6 +396,18 @@ def oea_route(
         min_batch, max_batch: OEA applies iff min_batch <= rows and (max_batch == 0 or
             rows <= max_batch); otherwise the outputs equal the inputs bit for bit.
         workspace: preallocated buffers; None allocates them (not allowed under capture).
+        stats: None, or a contiguous int64 tensor of 3 elements on the logits' device (e.g. the
+            row sums[layer] of a persistent [L, 3] buffer). The call adds, on the device and
+            with integer atomics (no host sync, no extra launch, graph-safe):
+              stats[0] += gate                  (OEA applied to this call: 1, else 0)
+              stats[1] += gate * T_before       (distinct experts among topk_ids[:rows])
+              stats[2] += gate * T_after        (distinct experts among ids[:rows])
+            where rows = min(num_valid_rows, B) and gate is the min/max-batch gate above.
+            T_before is the router's own union, counted from a bitmap of the routed ids.
+            T_after is max(|U|, K) when rows >= 1 (U = union of the bases), else 0: OEA
+            completes every valid row from one shared fill order, so this is exactly the
+            number of distinct output experts (tested against reference.distinct_experts).
+            Nothing is added when k0 >= K or B == 0: those calls launch no kernel.
     Returns:
         ids [B, K] (topk_ids dtype) and weights [B, K] (topk_weights dtype).
     """
@@ -368,6 +426,11 @@ def oea_route(
     if k0 >= top_k:
         return topk_ids, topk_weights
 
+    if stats is not None:
+        assert stats.dtype == torch.int64 and stats.numel() == 3 and stats.is_contiguous(), (
+            f"stats must be a contiguous int64 tensor of 3 elements: {stats.dtype=} {stats.shape=}"
+        )
+        assert stats.device == router_logits.device, f"{stats.device=} {router_logits.device=}"
     if workspace is None:
         workspace = OEAWorkspace.allocate(
             num_experts, top_k, num_rows, topk_ids.dtype, topk_weights.dtype, router_logits.device
@@ -403,6 +466,7 @@ def oea_route(
         bias,
         topk_ids,
         workspace.union,
+        workspace.routed,
         num_valid_ptr,
         num_valid,
         k0,
@@ -412,6 +476,7 @@ def oea_route(
         SIGMOID=sigmoid,
         HAS_BIAS=has_bias,
         VALID_FROM_PTR=valid_from_ptr,
+        STATS=stats is not None,
         K=top_k,
         K_PAD=k_pad,
         N_PAD=n_pad,
@@ -423,7 +488,9 @@ def oea_route(
         topk_ids,
         topk_weights,
         workspace.union,
+        workspace.routed,
         workspace.counter,
+        workspace.counter if stats is None else stats,  # placeholder pointer without stats
         out_ids,
         out_weights,
         num_valid_ptr,
@@ -442,6 +509,7 @@ def oea_route(
         HAS_BIAS=has_bias,
         RESTRICT_GROUPS=restrict,
         VALID_FROM_PTR=valid_from_ptr,
+        STATS=stats is not None,
         K=top_k,
         K_PAD=k_pad,
         N_PAD=n_pad,
