@@ -201,6 +201,27 @@ def markdown_table(summary: Summary, title: Optional[str] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_by_side_table(summary: Summary) -> str:
+    """One row per concurrency, the arms side by side: output tok/s (OEA arms: with the median
+    paired ratio vs baseline), then median TPOT ms. Medians over repeats; no min-max (see
+    markdown_table for the spreads and the warnings)."""
+    arms = summary.arms
+    header = ["C"] + [f"{a} tok/s" for a in arms] + [f"{a} TPOT ms" for a in arms]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for conc in summary.concurrencies:
+        tput, tpot = [], []
+        for arm in arms:
+            st = summary.stats.get((conc, arm), {})
+            cell = _cell(st.get("output_throughput"))
+            if arm != BASELINE and "output_throughput" in st:
+                ratio = summary.ratios.get((conc, arm))
+                cell += f" ({ratio.median:.2f}x)" if ratio is not None else " (not compared)"
+            tput.append(cell)
+            tpot.append(_cell(st.get("median_tpot_ms")))
+        lines.append("| " + " | ".join([str(conc)] + tput + tpot) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: Summary, path: str, title: Optional[str] = None) -> str:
     """PNG: output throughput, median TPOT and the OEA/baseline ratio against concurrency (log2 x).
 

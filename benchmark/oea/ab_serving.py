@@ -8,10 +8,13 @@ Modes
   2. URLs: --baseline-url URL --oea-url URL [URL ...] measures servers that are already running.
   3. Report only: --from-jsonl FILE rebuilds the table and the plot from an earlier run.
 
-Every arm runs `python -m sglang.benchmark.serving` (random-ids prompts of fixed length, tokenized
-client side, cache flushed before each run) at every concurrency in --concurrency, --repeats times;
-repeat r uses seed --seed + r in every arm, so both arms see the same prompts. A warm-up run comes
-before the measured runs of each server.
+Every arm runs sglang.benchmark.serving (random-ids prompts of fixed length, tokenized client side,
+cache flushed before each run) at every concurrency in --concurrency, --repeats times; repeat r uses
+seed --seed + r in every arm, so both arms see the same prompts. A warm-up run comes before the
+measured runs of each server. By default all runs of one arm share one client process
+(_bench_driver.py: imports the module once and calls its cli_main() per run, as
+`python -m sglang.benchmark.serving ARGS` would); --bench-subprocess starts a fresh
+`python -m sglang.benchmark.serving` per run instead.
 
 Outputs in --out-dir: results.jsonl (one line per run), results.md (medians over repeats, and the
 OEA/baseline throughput ratio paired by repeat with its min-max), results.png, server and bench logs.
@@ -34,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -227,11 +231,26 @@ def num_prompts_for(concurrency: int, args) -> int:
     return max(args.prompts_per_concurrency * concurrency, args.min_prompts)
 
 
+BENCH_MODULE = "sglang.benchmark.serving"
+DRIVER = os.path.join(_HERE, "_bench_driver.py")
+
+
 def bench_command(args, base_url: str, concurrency: int, num_prompts: int, seed: int,
                   output_len: int, output_file: str) -> List[str]:
+    """The bench_serving command line of one run (in driver mode: the equivalent command)."""
+    if args.bench_cmd:
+        prefix = shlex.split(args.bench_cmd)
+    else:
+        module = getattr(args, "bench_module", None) or BENCH_MODULE
+        prefix = [sys.executable] + ([module] if module.endswith(".py") else ["-m", module])
+    return prefix + bench_arguments(args, base_url, concurrency, num_prompts, seed, output_len, output_file)
+
+
+def bench_arguments(args, base_url: str, concurrency: int, num_prompts: int, seed: int,
+                    output_len: int, output_file: str) -> List[str]:
+    """bench_serving's arguments for one run, without the program."""
     host_port = urllib.parse.urlparse(base_url)
-    prefix = shlex.split(args.bench_cmd) if args.bench_cmd else [sys.executable, "-m", "sglang.benchmark.serving"]
-    cmd = prefix + ["--backend", "sglang",
+    cmd = ["--backend", "sglang",
            "--host", host_port.hostname, "--port", str(host_port.port),
            "--tokenizer", args.tokenizer, "--dataset-name", "random-ids", "--tokenize-prompt",
            "--random-input-len", str(args.input_len), "--random-output-len", str(output_len),
@@ -243,10 +262,113 @@ def bench_command(args, base_url: str, concurrency: int, num_prompts: int, seed:
     return cmd + shlex.split(args.bench_args or "")
 
 
-def run_bench(cmd: List[str], output_file: str, log_path: str, timeout_s: float, env) -> dict:
-    """Run one bench_serving; return its JSON result (the last line it appended)."""
+class DriverTimeout(RuntimeError):
+    """A bench driver did not answer in time (it has been killed)."""
+
+
+class BenchDriver:
+    """One `_bench_driver.py` process: imports bench_serving once, then runs it once per request.
+
+    It lives in its own session; `close` (or a timed-out run) kills its whole process group.
+    """
+
+    def __init__(self, module: str, log_path: str, env: Dict[str, str], start_timeout_s: float):
+        self.log_path = log_path
+        self._log = open(log_path, "a")
+        self._buf = b""
+        self._start_timeout_s = start_timeout_s
+        self.proc = subprocess.Popen([sys.executable, DRIVER, "--module", module], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, env=env, start_new_session=True)
+        self.ready: Optional[dict] = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self) -> dict:
+        """Block until the import is done (at most start_timeout_s); raise RuntimeError otherwise."""
+        if self.ready is None:
+            try:
+                self.ready = self._read(self._start_timeout_s)
+            except BaseException as e:
+                self.close(kill=True)
+                if not isinstance(e, RuntimeError):
+                    raise
+                raise RuntimeError(f"bench driver did not start ({e})" + _log_tail(self.log_path, 20)) from None
+        return self.ready
+
+    def run(self, argv: List[str], log_path: str, timeout_s: float) -> int:
+        """One bench_serving run with `argv` (output appended to log_path); its exit status."""
+        self.wait_ready()
+        if self.proc.poll() is not None or self.proc.stdin.closed:
+            raise RuntimeError(f"bench driver is not running (exit code {self.proc.poll()})")
+        try:
+            try:
+                self.proc.stdin.write((json.dumps({"argv": argv, "log": log_path}) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError as e:
+                raise RuntimeError(f"bench driver is gone ({e})") from None
+            return int(self._read(timeout_s)["rc"])
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def _read(self, timeout_s: float) -> dict:
+        """The next protocol line, or RuntimeError on timeout / exit."""
+        deadline = time.time() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.time()
+            if left <= 0:
+                raise DriverTimeout(f"timed out after {timeout_s:.0f}s")
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                self.proc.wait()
+                raise RuntimeError(f"bench driver exited with code {self.proc.returncode}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self, kill: bool = False) -> None:
+        """End of input (a clean exit; skipped with kill), then SIGKILL to the whole group if anything is left."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        if not kill:
+            _wait_until(lambda: self.proc.poll() is not None, 5.0)
+        if _group_alive(self.proc.pid):
+            _send(os.killpg, self.proc.pid, signal.SIGKILL)
+            _wait_until(lambda: self.proc.poll() is not None and not _group_alive(self.proc.pid), 10.0)
+        self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+
+
+def run_bench(cmd: List[str], output_file: str, log_path: str, timeout_s: float, env,
+              driver: Optional[BenchDriver] = None, argv: Optional[List[str]] = None) -> dict:
+    """Run one bench_serving; return its JSON result (the last line it appended).
+
+    With a driver, `argv` (the arguments of `cmd` without the program) runs in the driver's process;
+    `cmd` is still written at the top of the log, as the equivalent command line.
+    """
     if os.path.exists(output_file):
         os.remove(output_file)
+    if driver is not None:
+        with open(log_path, "w") as logf:
+            logf.write(shlex.join(cmd) + "\n")
+            logf.write(f"# run in the bench driver process (pid {driver.proc.pid}, log {driver.log_path})\n")
+        try:
+            rc = driver.run(argv, log_path, timeout_s)
+        except DriverTimeout:
+            raise RuntimeError(f"bench_serving timed out after {timeout_s:.0f}s" + _log_tail(log_path, 20)) from None
+        except RuntimeError as e:
+            if str(e).startswith("bench driver did not start"):
+                raise
+            raise RuntimeError(f"bench_serving failed ({e})" + _log_tail(log_path, 20)) from None
+        return _read_result(rc, output_file, log_path)
     with open(log_path, "w") as logf:
         logf.write(shlex.join(cmd) + "\n")
         logf.flush()
@@ -265,6 +387,10 @@ def run_bench(cmd: List[str], output_file: str, log_path: str, timeout_s: float,
                 pass
             proc.wait()
             raise
+    return _read_result(rc, output_file, log_path)
+
+
+def _read_result(rc: int, output_file: str, log_path: str) -> dict:
     if rc != 0 or not os.path.exists(output_file):
         raise RuntimeError(f"bench_serving failed (exit code {rc})" + _log_tail(log_path, 20))
     with open(output_file) as f:
@@ -274,12 +400,79 @@ def run_bench(cmd: List[str], output_file: str, log_path: str, timeout_s: float,
     return json.loads(lines[-1])
 
 
+class BenchClient:
+    """How one arm runs bench_serving: in one driver process (default) or a subprocess per run.
+
+    The driver (see _bench_driver.py) imports the bench module once for the arm; a run that times
+    out or kills it gets a fresh one for the next run. Subprocess mode (--bench-subprocess, or any
+    --bench-cmd) starts `python -m sglang.benchmark.serving` (or the --bench-cmd) for every run.
+    """
+
+    def __init__(self, args, arm_name: str, env: Optional[Dict[str, str]] = None):
+        self.args = args
+        self.env = child_env() if env is None else env
+        self.in_process = not (args.bench_cmd or getattr(args, "bench_subprocess", False))
+        runs_dir = os.path.join(args.out_dir, "runs")
+        os.makedirs(runs_dir, exist_ok=True)
+        self.driver_log = os.path.join(runs_dir, f"{arm_name}_driver.log")
+        self.driver: Optional[BenchDriver] = None
+
+    def start(self) -> None:
+        """Start the driver (no-op in subprocess mode or when one is running); does not wait."""
+        if self.in_process and (self.driver is None or not self.driver.alive()):
+            if self.driver is not None:
+                self.driver.close()
+            module = getattr(self.args, "bench_module", None) or BENCH_MODULE
+            self.driver = BenchDriver(module, self.driver_log, self.env, self.args.run_timeout)
+
+    def ensure_ready(self) -> None:
+        """Wait for the driver's import; if it cannot start, fall back to subprocess mode."""
+        if not self.in_process:
+            return
+        try:
+            self._wait()
+        except RuntimeError as e:
+            log(f"{e.args[0].splitlines()[0]}; falling back to one bench_serving subprocess per run")
+            self.close()
+            self.in_process = False
+
+    def _wait(self) -> None:
+        self.start()
+        first = self.driver.ready is None
+        self.driver.wait_ready()
+        if first:
+            log(f"bench driver ready (pid {self.driver.proc.pid}, import took {self.driver.ready['import_s']:.0f}s)")
+
+    def run(self, base_url: str, concurrency: int, num_prompts: int, seed: int, output_len: int,
+            output_file: str, log_path: str) -> dict:
+        cmd = bench_command(self.args, base_url, concurrency, num_prompts, seed, output_len, output_file)
+        if not self.in_process:
+            return run_bench(cmd, output_file, log_path, self.args.run_timeout, self.env)
+        self._wait()
+        argv = bench_arguments(self.args, base_url, concurrency, num_prompts, seed, output_len, output_file)
+        return run_bench(cmd, output_file, log_path, self.args.run_timeout, self.env, driver=self.driver, argv=argv)
+
+    def close(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+
+
 def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional[Server],
-                counter: List[int], total_runs: int) -> int:
-    """Warm-up, then every (repeat, concurrency) run of one arm; appends records to jsonl_path."""
-    env = child_env()
+                counter: List[int], total_runs: int, client: Optional[BenchClient] = None) -> int:
+    """Warm-up, then every (repeat, concurrency) run of one arm; appends records to jsonl_path.
+
+    Runs bench_serving through `client` (a new one, closed at the end, when None).
+    """
+    if client is None:
+        client = BenchClient(args, arm.name)
+        try:
+            return measure_arm(arm, base_url, args, jsonl_path, server, counter, total_runs, client)
+        finally:
+            client.close()
     runs_dir = os.path.join(args.out_dir, "runs")
     os.makedirs(runs_dir, exist_ok=True)
+    client.ensure_ready()
     info = http_get(base_url + "/get_server_info")
     if info is not None:
         with open(os.path.join(args.out_dir, f"server_info_{arm.name}.json"), "w") as f:
@@ -288,10 +481,9 @@ def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional
     if args.warmup_prompts > 0:
         wc = min(args.warmup_prompts, max(args.concurrency))
         out = os.path.join(runs_dir, f"{arm.name}_warmup.jsonl")
-        cmd = bench_command(args, base_url, wc, args.warmup_prompts, args.seed + 10_000,
-                            args.warmup_output_len or args.output_len, out)
         t0 = time.time()
-        run_bench(cmd, out, out.replace(".jsonl", ".log"), args.run_timeout, env)
+        client.run(base_url, wc, args.warmup_prompts, args.seed + 10_000, args.warmup_output_len or args.output_len,
+                   out, out.replace(".jsonl", ".log"))
         log(f"{arm.name}: warm-up ({args.warmup_prompts} prompts at C={wc}) done in {time.time() - t0:.0f}s")
 
     failures = 0
@@ -311,8 +503,7 @@ def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional
             try:
                 if server is not None and not server.alive():
                     raise RuntimeError("server process died" + _log_tail(server.log_path, 20))
-                result = run_bench(bench_command(args, base_url, conc, n, seed, args.output_len, stem + ".jsonl"),
-                                   stem + ".jsonl", stem + ".log", args.run_timeout, env)
+                result = client.run(base_url, conc, n, seed, args.output_len, stem + ".jsonl", stem + ".log")
             except RuntimeError as e:
                 failures += 1
                 record["error"] = str(e).splitlines()[0]
@@ -419,7 +610,14 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--no-flush-cache", dest="flush_cache", action="store_false",
                     help="do not flush the server's prefix cache before each measured run")
     wl.add_argument("--bench-args", help="extra bench_serving arguments, one string")
-    wl.add_argument("--bench-cmd", help="client command (default: python -m sglang.benchmark.serving)")
+    wl.add_argument("--bench-cmd", help="client command, started afresh for every run (implies "
+                                        "--bench-subprocess; default: sglang.benchmark.serving run in one "
+                                        "driver process per arm)")
+    wl.add_argument("--bench-module", default=BENCH_MODULE,
+                    help="module (or .py file) whose cli_main() the bench driver calls for each run")
+    wl.add_argument("--bench-subprocess", action="store_true",
+                    help="start a fresh `python -m sglang.benchmark.serving` for every run (the import "
+                         "costs 10-30 s per run on a small CPU machine) instead of one driver per arm")
 
     ops = p.add_argument_group("operation")
     ops.add_argument("--out-dir", default="oea_ab_out")
@@ -524,6 +722,7 @@ def run(args, server_args: List[str]) -> int:
                 wait_ready(arm.url, args.ready_timeout)
                 failures += measure_arm(arm, arm.url, args, jsonl_path, None, counter, total)
                 continue
+            client = BenchClient(args, arm.name)
             if port_in_use(args.host, args.port):
                 raise RuntimeError(f"{args.host}:{args.port} is already in use; stop that server or pick --port")
             base_url = f"http://{args.host}:{args.port}"
@@ -531,9 +730,11 @@ def run(args, server_args: List[str]) -> int:
                                             "--port", str(args.port)] + list(server_args) + list(arm.extra_args)
             server = Server(cmd, os.path.join(args.out_dir, f"server_{arm.name}.log"), child_env())
             try:
+                client.start()  # its import overlaps the server's start-up
                 wait_ready(base_url, args.ready_timeout, server.proc, server.log_path)
-                failures += measure_arm(arm, base_url, args, jsonl_path, server, counter, total)
+                failures += measure_arm(arm, base_url, args, jsonl_path, server, counter, total, client)
             finally:
+                client.close()
                 server.stop()
             deadline = time.time() + 60
             while port_in_use(args.host, args.port) and time.time() < deadline:

@@ -3,7 +3,8 @@
 - _report / ab_serving: medians, paired ratios and their min-max on recorded JSONL fixtures
   (test/srt/data/ab_*.jsonl; every expected number below is worked out by hand from them), the
   flagging of runs that cannot be paired, the PNG, and the orchestration (servers one at a time,
-  process groups killed) against a stand-in server and a stand-in bench client.
+  process groups killed) against a stand-in server and a stand-in bench client, run both in one
+  bench driver process per arm (the default) and as a subprocess per run; the bench driver itself.
 - simulate: closed forms against Monte-Carlo, OEA's saving, fidelity bounds, suggest_max_batch,
   router-logit dumps.
 """
@@ -225,27 +226,40 @@ _FAKE_SERVER = textwrap.dedent('''
 ''')
 
 # A stand-in bench_serving client: asks the server for its k0 and writes one result line whose
-# throughput depends on k0, seed and concurrency.
+# throughput depends on k0, seed and concurrency. Runs as a script (--bench-cmd, a process per run) or
+# as a module whose cli_main() the bench driver calls (--bench-module); it notes each import and the
+# pid of every run in $FAKE_BENCH_LOG.
 _FAKE_BENCH = textwrap.dedent('''
-    import argparse, json, urllib.request
-    p = argparse.ArgumentParser()
-    for f in ("--backend", "--host", "--tokenizer", "--dataset-name", "--output-file"):
-        p.add_argument(f)
-    for f in ("--port", "--random-input-len", "--random-output-len", "--num-prompts", "--max-concurrency", "--seed"):
-        p.add_argument(f, type=int)
-    p.add_argument("--random-range-ratio", type=float)
-    p.add_argument("--tokenize-prompt", action="store_true"); p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--flush-cache", action="store_true")
-    a = p.parse_args()
-    info = json.loads(urllib.request.urlopen(f"http://{a.host}:{a.port}/get_server_info").read())
-    k0 = info["oea_k0"]
-    tput = 100.0 * a.max_concurrency * (1.0 + (0.1 * (8 - k0) if k0 else 0.0)) + a.seed
-    res = {"max_concurrency": a.max_concurrency, "concurrency": 0.97, "completed": a.num_prompts,
-           "output_throughput": tput,
-           "median_tpot_ms": 1000.0 / tput, "median_itl_ms": 1000.0 / tput, "p99_ttft_ms": 5.0,
-           "server_info": {"big": "dropped"}}
-    with open(a.output_file, "a") as f:
-        f.write(json.dumps(res) + "\\n")
+    import argparse, json, os, sys, urllib.request
+    with open(os.environ["FAKE_BENCH_LOG"], "a") as f:
+        f.write(json.dumps({"event": "import", "pid": os.getpid()}) + "\\n")
+
+    def cli_main():
+        p = argparse.ArgumentParser()
+        for f in ("--backend", "--host", "--tokenizer", "--dataset-name", "--output-file"):
+            p.add_argument(f)
+        for f in ("--port", "--random-input-len", "--random-output-len", "--num-prompts", "--max-concurrency",
+                  "--seed"):
+            p.add_argument(f, type=int)
+        p.add_argument("--random-range-ratio", type=float)
+        p.add_argument("--tokenize-prompt", action="store_true"); p.add_argument("--disable-tqdm", action="store_true")
+        p.add_argument("--flush-cache", action="store_true")
+        a = p.parse_args()
+        print("fake bench run", a.max_concurrency, a.seed)
+        info = json.loads(urllib.request.urlopen(f"http://{a.host}:{a.port}/get_server_info").read())
+        k0 = info["oea_k0"]
+        tput = 100.0 * a.max_concurrency * (1.0 + (0.1 * (8 - k0) if k0 else 0.0)) + a.seed
+        res = {"max_concurrency": a.max_concurrency, "concurrency": 0.97, "completed": a.num_prompts,
+               "output_throughput": tput,
+               "median_tpot_ms": 1000.0 / tput, "median_itl_ms": 1000.0 / tput, "p99_ttft_ms": 5.0,
+               "server_info": {"big": "dropped"}}
+        with open(a.output_file, "a") as f:
+            f.write(json.dumps(res) + "\\n")
+        with open(os.environ["FAKE_BENCH_LOG"], "a") as f:
+            f.write(json.dumps({"event": "run", "pid": os.getpid(), "k0": k0, "c": a.max_concurrency}) + "\\n")
+
+    if __name__ == "__main__":
+        cli_main()
 ''')
 
 
@@ -255,18 +269,42 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["driver", "subprocess"])
+def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     (tmp_path / "fake_server.py").write_text(_FAKE_SERVER)
     (tmp_path / "fake_bench.py").write_text(_FAKE_BENCH)
     events = tmp_path / "events.jsonl"
+    bench_events = tmp_path / "bench_events.jsonl"
     monkeypatch.setenv("FAKE_LOG", str(events))
+    monkeypatch.setenv("FAKE_BENCH_LOG", str(bench_events))
     out = tmp_path / "out"
+    client = (["--bench-module", str(tmp_path / "fake_bench.py")] if mode == "driver"
+              else ["--bench-cmd", f"{sys.executable} {tmp_path / 'fake_bench.py'}"])
     argv = ["--model-path", str(tmp_path), "--port", str(_free_port()), "--k0", "3", "5",
             "--oea-max-batch", "64", "--concurrency", "1", "4", "--repeats", "2", "--num-prompts", "4",
             "--warmup-prompts", "2", "--cooldown", "0", "--ready-timeout", "30", "--out-dir", str(out),
             "--launcher", f"{sys.executable} {tmp_path / 'fake_server.py'}",
-            "--bench-cmd", f"{sys.executable} {tmp_path / 'fake_bench.py'}", "--", "--load-format", "dummy"]
+            *client, "--", "--load-format", "dummy"]
     assert ab_serving.main(argv) == 0
+
+    # driver: one client process (one import) per arm, serving its warm-up and its 4 runs;
+    # subprocess: a fresh process (and import) per run
+    bev = [json.loads(line) for line in bench_events.read_text().splitlines()]
+    runs = [e for e in bev if e["event"] == "run"]
+    assert len(runs) == 3 * (1 + 2 * 2)
+    imports = [e["pid"] for e in bev if e["event"] == "import"]
+    if mode == "driver":
+        assert len(imports) == 3 and len(set(imports)) == 3
+        for k0 in (None, 3, 5):
+            assert len({e["pid"] for e in runs if e["k0"] == k0}) == 1
+        for pid in imports:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # every driver is gone
+        log_text = (out / "runs" / "oea-k0=3_c4_r1.log").read_text()
+        assert "-m sglang" not in log_text.splitlines()[0] and "fake_bench.py" in log_text.splitlines()[0]
+        assert "fake bench run 4 2" in log_text  # the run's own stdout lands in its log
+    else:
+        assert len(imports) == len(runs) and len(set(imports)) == len(runs)
 
     ev = [json.loads(line) for line in events.read_text().splitlines()]
     assert [(e["event"], e["k0"]) for e in ev] == [("start", None), ("stop", None), ("start", 3), ("stop", 3),
@@ -292,6 +330,117 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch):
     r = s.ratios[(4, "oea-k0=3")]
     assert (r.lo, r.hi, r.n) == (approx(602 / 402), approx(601 / 401), 2)
     assert (out / "results.png").stat().st_size > 0 and (out / "results.md").stat().st_size > 0
+
+
+_DRIVER_TARGET = textwrap.dedent('''
+    import os, sys, time
+    print("imported")
+    def cli_main():
+        what = sys.argv[1]
+        print("stdout", what, flush=True)
+        os.write(2, b"fd2 " + what.encode() + b"\\n")
+        if what == "sleep":
+            time.sleep(60)
+        elif what == "exit3":
+            sys.exit(3)
+        elif what == "raise":
+            raise ValueError("boom")
+        elif what == "parser":
+            sys.exit("usage: bad flag")
+''')
+
+
+def test_bench_driver_runs_and_timeouts(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(_DRIVER_TARGET)
+    drv = ab_serving.BenchDriver(str(target), str(tmp_path / "driver.log"), dict(os.environ), 60)
+    try:
+        assert drv.wait_ready()["ready"] is True
+        for what, rc in (("ok", 0), ("exit3", 3), ("raise", 1), ("parser", 1), ("ok", 0)):
+            log_path = tmp_path / f"{what}.log"
+            assert drv.run([what], str(log_path), 30) == rc, what
+            text = log_path.read_text()
+            assert f"stdout {what}" in text and f"fd2 {what}" in text
+        assert "ValueError: boom" in (tmp_path / "raise.log").read_text()
+        assert "usage: bad flag" in (tmp_path / "parser.log").read_text()
+        assert "imported" in (tmp_path / "driver.log").read_text()  # import chatter: driver log, not protocol
+        pid = drv.proc.pid
+        t0 = time.time()
+        with pytest.raises(ab_serving.DriverTimeout):
+            drv.run(["sleep"], str(tmp_path / "sleep.log"), 1.0)
+        assert time.time() - t0 < 20
+        assert not drv.alive()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    finally:
+        drv.close()
+
+
+def test_run_bench_through_driver_maps_timeout(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(_DRIVER_TARGET)
+    drv = ab_serving.BenchDriver(str(target), str(tmp_path / "driver.log"), dict(os.environ), 60)
+    try:
+        with pytest.raises(RuntimeError, match="bench_serving timed out after 1s"):
+            ab_serving.run_bench(["x", "sleep"], str(tmp_path / "o.jsonl"), str(tmp_path / "s.log"), 1.0, None,
+                                 driver=drv, argv=["sleep"])
+        with pytest.raises(RuntimeError, match="bench driver is not running"):
+            ab_serving.run_bench(["x", "ok"], str(tmp_path / "o.jsonl"), str(tmp_path / "s.log"), 1.0, None,
+                                 driver=drv, argv=["ok"])  # the dead driver is reported, not hung on
+    finally:
+        drv.close()
+
+
+def test_side_by_side_table():
+    table = _report.side_by_side_table(_report.summarize(_report.load_jsonl(CLEAN)))
+    lines = table.splitlines()
+    assert lines[0] == "| C | baseline tok/s | oea-k0=4 tok/s | baseline TPOT ms | oea-k0=4 TPOT ms |"
+    assert lines[2:] == ["| 1 | 100.0 | 121.0 (1.20x) | 10.00 | 8.500 |",
+                         "| 4 | 200.0 | 190.0 (0.95x) | 20.00 | 21.00 |"]
+
+
+def test_demo_command_line():
+    import demo
+
+    args = demo.build_parser().parse_args(["--out-dir", "/tmp/d", "--port", "31999"])
+    assert (args.oea_min_batch, args.oea_max_batch) == (demo.DEFAULT_MIN_BATCH, demo.DEFAULT_MAX_BATCH)
+    assert args.k0 == [3, 4, 5] and args.concurrency == [1, 4, 16, 32, 64] and args.repeats == 1
+    argv = demo.ab_argv(args, "/tmp/d/model")
+    own, server_args = ab_serving._split_passthrough(argv)
+    ab = _parse(own)
+    assert ab.cpu and ab.model_path == "/tmp/d/model" and ab.port == 31999 and not ab.bench_subprocess
+    assert ab.k0 == [3, 4, 5] and ab.concurrency == [1, 4, 16, 32, 64] and ab.repeats == 1
+    assert (ab.input_len, ab.output_len) == (64, 64)
+    assert (ab.oea_min_batch, ab.oea_max_batch) == (demo.DEFAULT_MIN_BATCH, demo.DEFAULT_MAX_BATCH)
+    assert [ab_serving.num_prompts_for(c, ab) for c in ab.concurrency] == [8, 8, 32, 64, 128]  # >= 2 waves
+    assert ab_serving.oea_flags(4, ab)[:2] == ["--oea-k0", "4"]
+    assert server_args[:2] == ["--load-format", "dummy"] and "--enable-metrics" in server_args
+    custom = demo.build_parser().parse_args(["--k0", "4", "--concurrency", "2", "8", "--repeats", "3",
+                                             "--oea-min-batch", "4", "--oea-max-batch", "32"])
+    ab = _parse(ab_serving._split_passthrough(demo.ab_argv(custom, "m"))[0])
+    assert (ab.k0, ab.concurrency, ab.repeats, ab.oea_min_batch, ab.oea_max_batch) == ([4], [2, 8], 3, 4, 32)
+
+
+def test_demo_expert_table():
+    import demo
+
+    def rec(arm, c, ratio=None):
+        r = {"arm": arm, "k0": None if arm == "baseline" else 4, "concurrency": c, "repeat": 0, "seed": 1,
+             "num_prompts": 8, "input_len": 64, "output_len": 64, "output_throughput": 100.0}
+        if ratio is not None:
+            r["oea_metrics"] = {'sglang:oea_active_experts_before{layer="0"}': 40.0,
+                                'sglang:oea_active_experts_before{layer="1"}': 44.0,
+                                'sglang:oea_active_experts_after{layer="0"}': 20.0,
+                                'sglang:oea_active_experts_after{layer="1"}': 22.0,
+                                'sglang:oea_active_experts_ratio{tp_rank="0"}': ratio}
+        return r
+
+    recs = [rec("baseline", c) for c in (1, 4, 64)] + [rec("oea-k0=4", 1, 0.3), rec("oea-k0=4", 4, 0.5),
+                                                       rec("oea-k0=4", 64, 0.9)]
+    table = demo.expert_table(recs, _report.summarize(recs), min_batch=2, max_batch=32)
+    assert table.splitlines()[2:] == ["| 1 | off (C < min batch 2) |", "| 4 | 42.0 -> 21.0 (0.50x) |",
+                                      "| 64 | off (C > max batch 32) |"]
+    assert demo.expert_table(recs[:3] + [rec("oea-k0=4", 4)], _report.summarize(recs), 2, 0) == ""
 
 
 def test_url_mode_needs_tokenizer(tmp_path):

@@ -1,0 +1,68 @@
+"""The A/B harness's smoke path against real CPU servers (ab_serving.run_smoke): baseline and OEA k0=4
+on a tiny dummy-weight Qwen3-MoE at two concurrencies, a few prompts each; bench_serving runs in one
+driver process per arm (the default). A few minutes on 2 cores: two server starts dominate.
+"""
+
+import json
+import os
+import socket
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+import _report  # noqa: E402  (benchmark/oea, on sys.path through conftest.py)
+import ab_serving  # noqa: E402
+
+CONCURRENCIES = (1, 2)
+NUM_PROMPTS = 4
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ab_smoke"))
+    summary = ab_serving.run_smoke(out, k0=4, concurrencies=CONCURRENCIES, num_prompts=NUM_PROMPTS,
+                                   port=_free_port())
+    return out, summary
+
+
+def test_smoke_records_both_arms_at_both_concurrencies(smoke):
+    out, summary = smoke
+    records = _report.load_jsonl(os.path.join(out, "results.jsonl"))
+    assert sorted((r["arm"], r["concurrency"]) for r in records) == sorted(
+        (arm, c) for arm in ("baseline", "oea-k0=4") for c in CONCURRENCIES)
+    for r in records:
+        assert "error" not in r, r.get("error")
+        assert r["repeat"] == 0 and r["seed"] == 1 and r["num_prompts"] == NUM_PROMPTS
+        assert r["k0"] == (4 if r["arm"] == "oea-k0=4" else None)
+        assert r["completed"] == NUM_PROMPTS and r["max_concurrency"] == r["concurrency"]
+        assert r["output_throughput"] > 0 and r["median_tpot_ms"] > 0
+        assert "server_info" not in r
+    assert summary.arms == ["baseline", "oea-k0=4"] and summary.concurrencies == list(CONCURRENCIES)
+    assert set(summary.ratios) == {(c, "oea-k0=4") for c in CONCURRENCIES}
+    assert summary.warnings == []
+
+
+def test_smoke_writes_table_plot_and_logs(smoke):
+    out, _ = smoke
+    table = open(os.path.join(out, "results.md")).read()
+    for c in CONCURRENCIES:
+        assert f"| {c} | baseline | 1 |" in table and f"| {c} | oea-k0=4 | 1 |" in table
+    assert "Warnings" not in table
+    with open(os.path.join(out, "results.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    info = json.load(open(os.path.join(out, "server_info_oea-k0=4.json")))
+    assert isinstance(info, dict)
+    # every run went through the arm's bench driver: one import per arm, each run's output in its log
+    for arm in ("baseline", "oea-k0=4"):
+        assert os.path.getsize(os.path.join(out, "runs", f"{arm}_driver.log")) > 0
+        for c in CONCURRENCIES:
+            text = open(os.path.join(out, "runs", f"{arm}_c{c}_r0.log")).read()
+            assert text.splitlines()[0].split()[1:3] == ["-m", "sglang.benchmark.serving"]
+            assert "bench driver process" in text and "Output token throughput" in text
