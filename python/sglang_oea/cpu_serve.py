@@ -5,6 +5,7 @@
 SGLang 0.5.23 serves a small MoE model on the CPU engine once the CUDA kernel wheel's imports
 are satisfied. This sets that up and then hands over to `sglang serve` in a fresh process:
 - SGLANG_USE_CPU_ENGINE=1 and --device cpu;
+- OMP_NUM_THREADS = cores - 1 unless set (one core stays free for the other server processes);
 - --attention-backend torch_native, --disable-cuda-graph, --mem-fraction-static 0.1;
 - the stand-in `sgl_kernel` (sglang_oea/cpu_stub) first on PYTHONPATH, so every process,
   spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op that is
@@ -29,6 +30,9 @@ def cpu_environment(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """A copy of `base` (default os.environ) that makes SGLang run on the CPU."""
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # Leave a core to the tokenizer, detokenizer and HTTP processes: with one OpenMP thread per
+    # core, libgomp's spin-waits collide with them and decode slows 5-10x at random (2-core host).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != STUB_DIR]
     env["PYTHONPATH"] = os.pathsep.join([STUB_DIR, *paths])
     return env
