@@ -9,7 +9,8 @@ Installed only in processes started while OEA is enabled (the published config i
   topk._post_process_topk_ids          BEFORE  rewrites logical topk ids and weights (decode only).
   forward_context.forward_context      AROUND  tells the runtime whether a step is decode, and its rows.
   Scheduler.__init__                   AFTER   creates the per-rank runtime; logs the settings.
-  SchedulerMetricsReporter.report_decode_stats  AFTER  exports metrics once per log interval.
+  SchedulerMetricsReporter.report_decode_stats  BEFORE  exports metrics once per log interval and
+                                                 hands SGLang's 'Decode batch' line an OEA summary.
   DecodeCudaGraphRunner.execute        AROUND  sets the device scalar of real rows before a replay.
 Every hook is verified after it is applied; one that did not land stops startup with the name
 of the SGLang function.
@@ -213,7 +214,8 @@ def graph_execute_hook(original: Callable, runner: Any, forward_batch: Any, *arg
     return original(runner, forward_batch, *args, **kwargs)
 
 
-def decode_stats_hook(result: Any, reporter: Any, *args: Any, **kwargs: Any) -> None:
+def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
+    """On SGLang's decode-log steps, publish OEA's counters just before it logs 'Decode batch'."""
     if _runtime is not None and reporter.forward_ct_decode % reporter.decode_log_interval == 0:
         from sglang_oea import metrics
 
@@ -269,7 +271,7 @@ def install_routing() -> None:
         (TOPK_POST, topk_post_hook, HookType.BEFORE),
         (FORWARD_CONTEXT, forward_context_hook, HookType.AROUND),
         (SCHEDULER_INIT, scheduler_init_hook, HookType.AFTER),
-        (DECODE_STATS, decode_stats_hook, HookType.AFTER),
+        (DECODE_STATS, decode_stats_hook, HookType.BEFORE),
         (GRAPH_EXECUTE, graph_execute_hook, HookType.AROUND),
     ])
     missing = missing_hooks(ROUTING_TARGETS)

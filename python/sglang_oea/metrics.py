@@ -62,8 +62,11 @@ _export: Optional[PrometheusExport] = None
 
 
 def attach(runtime: OEARuntime, scheduler: Any) -> None:
-    """Create this rank's Prometheus metrics when SGLang's metrics are on."""
+    """Hook the decode log line; create this rank's Prometheus metrics when SGLang's are on."""
     global _export
+    decode_logger = logging.getLogger(SGLANG_DECODE_LOGGER)
+    if _decode_line not in decode_logger.filters:
+        decode_logger.addFilter(_decode_line)
     server_args = scheduler.server_args
     if not getattr(server_args, "enable_metrics", False):
         return
@@ -72,7 +75,7 @@ def attach(runtime: OEARuntime, scheduler: Any) -> None:
 
 
 def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:
-    """The short OEA line logged after SGLang's 'Decode batch' line."""
+    """The short OEA summary appended to SGLang's 'Decode batch' line."""
     text = f"OEA k0={runtime.cfg.k0}: applied {runtime.applied_steps}/{runtime.decode_steps} decode steps"
     if layers is None:
         return text
@@ -80,9 +83,28 @@ def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:
     return f"{text}, experts/layer/step {before / steps:.1f} -> {after / steps:.1f} ({after / before:.2f}x)"
 
 
+class DecodeLineSummary(logging.Filter):
+    """Appends the latest OEA summary to SGLang's next 'Decode batch' log line, once."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: Optional[str] = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pending and isinstance(record.msg, str) and record.msg.startswith("Decode batch"):
+            record.msg = f"{record.msg}, {self.pending}"
+            self.pending = None
+        return True
+
+
+_decode_line = DecodeLineSummary()
+SGLANG_DECODE_LOGGER = "sglang.srt.managers.scheduler_components.metrics_reporter"
+
+
 def report(runtime: OEARuntime) -> None:
-    """Read the device counters once (one sync per log interval) and publish them."""
+    """Read the device counters once (one sync per log interval) and publish them; SGLang's
+    'Decode batch' line, logged right after this, carries the summary."""
     layers = runtime.stats.drain() if runtime.stats is not None else None
     if _export is not None:
         _export.publish(runtime, layers)
-    logger.info(summary(runtime, layers))
+    _decode_line.pending = summary(runtime, layers)

@@ -174,6 +174,8 @@ def check_concurrent_decode(oea_qwen):
         expert_after = oea_value(after, "sglang:oea_active_experts_after", layer=layer)
         assert 4 <= expert_after < before <= min(NUM_EXPERTS, 7 * TOP_K)
     assert 0 < oea_value(after, "sglang:oea_active_experts_ratio") < 1
+    decode_lines = [line for line in open(oea_qwen[1]) if "Decode batch" in line]
+    assert any(re.search(r"OEA k0=4: applied \d+/\d+ decode steps, experts/layer/step [\d.]+ -> [\d.]+", line) for line in decode_lines)
 
 
 # ----------------------------------------------------------------------------- glm4_moe (sigmoid + bias, groups, shared)
