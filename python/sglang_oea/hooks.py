@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_oea import flags
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
-from sglang_oea.runtime import OEARuntime
+from sglang_oea.runtime import OEARuntime, graph_capture_active
 
 logger = logging.getLogger("sglang_oea")
 
@@ -162,12 +162,6 @@ def routing_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def capturing_graph() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 @contextmanager
 def _oea_step(inner: Any, forward_batch: Any):
     """Enter SGLang's forward context with the runtime told what this forward pass is."""
@@ -176,7 +170,7 @@ def _oea_step(inner: Any, forward_batch: Any):
             yield
         return
     # SGLang nests forward contexts for one forward pass; only the outermost counts as a step.
-    outermost = _runtime.depth == 0 and not capturing_graph()
+    outermost = _runtime.depth == 0 and not graph_capture_active()
     previous = _runtime.begin_step(forward_batch.forward_mode.is_decode(), int(forward_batch.batch_size), count=outermost)
     _runtime.depth += 1
     try:

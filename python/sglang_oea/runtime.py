@@ -36,9 +36,14 @@ class StepInfo:
     index: int = -1
 
 
-def is_capturing(tensor: torch.Tensor) -> bool:
+def graph_capture_active() -> bool:
     """True while a CUDA graph is being captured on the current stream."""
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def is_capturing(tensor: torch.Tensor) -> bool:
+    """True while a CUDA graph that `tensor` belongs to is being captured."""
+    return tensor.is_cuda and graph_capture_active()
 
 
 class FusedRouter:
@@ -154,9 +159,9 @@ class RouterDump:
         torch.save(record, os.path.join(self.directory, name))
 
 
-def routing_supported(topk_config: Any) -> bool:
+def routing_supported(topk_config: Any, spec: RouterSpec) -> bool:
     """OEA knows softmax and sigmoid(+bias) top-k routers, not custom routing functions."""
-    return topk_config.custom_routing_function is None and router_spec_of(topk_config).scoring_func in ("softmax", "sigmoid")
+    return topk_config.custom_routing_function is None and spec.scoring_func in ("softmax", "sigmoid")
 
 
 class OEARuntime:
@@ -224,7 +229,8 @@ class OEARuntime:
         # Draft-model MoE blocks opt out of routed-expert capture; OEA leaves them alone too.
         if not self.step.decode or not topk_config.allow_routed_experts_capture:
             return None
-        if not routing_supported(topk_config):
+        spec = router_spec_of(topk_config)
+        if not routing_supported(topk_config, spec):
             self.warn_unsupported(topk_config)
             return None
         num_shared = topk_config.num_shared_topk_slots if topk_ids.shape[1] == topk_config.top_k else 0
@@ -235,7 +241,7 @@ class OEARuntime:
             self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], topk_config, routed)
         if self.cfg.k0 >= routed or not self.step_may_apply(capturing):
             return None
-        ids, weights, gate, counted = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], topk_config, capturing)
+        ids, weights, gate, counted = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], spec, capturing)
         if self.stats is not None and not counted:
             rows = self.graph_rows if capturing else self.step.num_rows
             num_experts = router_logits.shape[1]
@@ -260,13 +266,12 @@ class OEARuntime:
             return self.step.num_rows >= self.cfg.min_batch
         return self.step.apply
 
-    def route_routed(self, layer, router_logits, topk_ids, topk_weights, topk_config, capturing):
+    def route_routed(self, layer, router_logits, topk_ids, topk_weights, spec, capturing):
         """(ids, weights, gate, counted) for the routed columns.
 
         gate is 1, or a device 0/1 when capturing; counted says the kernel already added this
         call's distinct-expert counts to the stats (the pure-torch path leaves that to route()).
         """
-        spec = router_spec_of(topk_config)
         stats = None if self.stats is None else self.stats.sums[layer]
         if not capturing:  # the host already gated this step on its real rows
             rows, lo, hi = self.step.num_rows, 1, 0
