@@ -62,6 +62,8 @@ CPU_CONCURRENCIES = [1, 4, 16, 32, 64]
 SMOKE_CONCURRENCIES = [1, 2]
 
 # bench_serving result keys kept in results.jsonl (the rest, e.g. server_info, is left out).
+# Environment variables written to command.txt when set.
+RECORDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")
 _DROP_KEYS = ("server_info", "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 
 
@@ -130,6 +132,12 @@ def scrape_oea_metrics(base_url: str) -> Optional[Dict[str, float]]:
         except ValueError:
             continue
     return out
+
+
+def counter_deltas(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
+    """What each counter (a `*_total` sample) grew by during a run. Gauges are left out: the
+    difference of two "most recent" readings means nothing."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if k.split("{")[0].endswith("_total")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -523,7 +531,7 @@ def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional
             if after is not None:
                 record["oea_metrics"] = after
                 if before is not None:
-                    record["oea_metrics_delta"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    record["oea_metrics_delta"] = counter_deltas(before, after)
             _append(jsonl_path, record)
             log(f"{arm.name:>10}  C={conc:<5} rep {rep + 1}/{args.repeats}  seed {seed}  "
                 f"{result.get('output_throughput', float('nan')):9.1f} tok/s  "
@@ -712,7 +720,11 @@ def run(args, server_args: List[str]) -> int:
     log(f"{len(arms)} arms x {len(args.concurrency)} concurrencies x {args.repeats} repeats = {total} runs; "
         f"input {args.input_len}, output {args.output_len} tokens; out-dir {args.out_dir}")
     with open(os.path.join(args.out_dir, "command.txt"), "w") as f:
-        f.write(shlex.join([sys.executable] + sys.argv) + "\n")
+        f.write(shlex.join([sys.executable, __file__, *args.argv]) + "\n")
+        # Thread settings change CPU (and host-side) timings: keep them with the command line.
+        env = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
+        if env:
+            f.write("# environment: " + shlex.join(f"{k}={v}" for k, v in env.items()) + "\n")
 
     counter = [0]
     failures = 0
@@ -788,8 +800,10 @@ def check_smoke(summary: _report.Summary, out_dir: str, n_conc: int, failures: i
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    own, passthrough = _split_passthrough(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, passthrough = _split_passthrough(argv)
     args = build_parser().parse_args(own)
+    args.argv = argv  # for command.txt: what this run was asked, also when called as a function
     server_args = shlex.split(args.server_args) + passthrough
 
     if args.from_jsonl:

@@ -11,6 +11,7 @@
 
 import json
 import os
+import shlex
 import socket
 import sys
 import textwrap
@@ -210,7 +211,8 @@ _FAKE_SERVER = textwrap.dedent('''
         def do_GET(self):
             if self.path == "/metrics":
                 steps[0] += 10
-                body = f"# HELP sglang_oea_steps x\\nsglang_oea_steps_total {steps[0]}.0\\nother 1.0\\n"
+                body = (f"# HELP sglang_oea_steps x\\nsglang_oea_steps_total {steps[0]}.0\\nother 1.0\\n"
+                        f"sglang:oea_active_experts_after{{layer=\\"0\\"}} {steps[0] % 7}.0\\n")
             elif self.path in ("/health", "/v1/models", "/get_server_info"):
                 body = json.dumps({"oea_k0": a.oea_k0})
             else:
@@ -277,6 +279,8 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     bench_events = tmp_path / "bench_events.jsonl"
     monkeypatch.setenv("FAKE_LOG", str(events))
     monkeypatch.setenv("FAKE_BENCH_LOG", str(bench_events))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     out = tmp_path / "out"
     client = (["--bench-module", str(tmp_path / "fake_bench.py")] if mode == "driver"
               else ["--bench-cmd", f"{sys.executable} {tmp_path / 'fake_bench.py'}"])
@@ -286,6 +290,9 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
             "--launcher", f"{sys.executable} {tmp_path / 'fake_server.py'}",
             *client, "--", "--load-format", "dummy"]
     assert ab_serving.main(argv) == 0
+    command = (out / "command.txt").read_text().splitlines()
+    assert command[0] == shlex.join([sys.executable, ab_serving.__file__, *argv])
+    assert "# environment: OMP_NUM_THREADS=3" in command  # thread settings travel with the results
 
     # driver: one client process (one import) per arm, serving its warm-up and its 4 runs;
     # subprocess: a fresh process (and import) per run
@@ -323,7 +330,9 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     assert all("server_info" not in r for r in recs)
     assert all(r["bench_concurrency"] == 0.97 for r in recs)  # bench's achieved mean kept apart
     assert {r["seed"] for r in recs if r["repeat"] == 1} == {2}
+    # counters are differenced over the run; the gauge is kept as read, never differenced
     assert all(r["oea_metrics_delta"] == {"sglang_oea_steps_total": 10.0} for r in recs)
+    assert all('sglang:oea_active_experts_after{layer="0"}' in r["oea_metrics"] for r in recs)
     s = _report.summarize(recs)
     assert s.warnings == []
     # k0=3 at C=4: repeat 0 (400*1.5 + 1) / (400 + 1), repeat 1 (600 + 2) / (400 + 2)
@@ -553,3 +562,16 @@ def test_simulate_cli_small(tmp_path):
     md = (tmp_path / "simulate.md").read_text()
     assert "## N=64,k=4 / uniform (N=64, k=4)" in md and "Suggested --oea-max-batch" in md
     assert (tmp_path / "simulate.png").stat().st_size > 0
+
+
+def test_cpu_routing_cost_reports_every_batch_size_and_refuses_bad_k0(capsys):
+    """The routing-cost benchmark runs end to end (tiny iteration counts; no timing is asserted)."""
+    import cpu_routing_cost
+
+    table = cpu_routing_cost.main(["--batch-sizes", "2", "8", "--repeats", "2", "--iters", "2", "--warmup", "1"])
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["2", "8"]
+    assert all(len(row.strip("|").split("|")) == 6 and row.rstrip("|").endswith("x ") for row in rows)
+    assert table in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--k0"):
+        cpu_routing_cost.main(["--k0", "8"])
