@@ -580,6 +580,14 @@ def _split_passthrough(argv: Sequence[str]):
     return argv, []
 
 
+def parse_args(own: Sequence[str], command: Sequence[str]) -> argparse.Namespace:
+    """The harness's own flags, parsed; `command` (everything it was given, server arguments
+    included) goes to command.txt, also when the harness is called as a function."""
+    args = build_parser().parse_args(own)
+    args.argv = list(command)
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("what to measure")
@@ -770,7 +778,7 @@ def run_smoke(out_dir: str, model_path: Optional[str] = None, k0: int = 4,
             "--num-prompts", str(num_prompts), "--concurrency", *map(str, concurrencies)]
     if model_path:
         argv += ["--model-path", model_path]
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv, argv + (["--", *server_args] if server_args else []))
     apply_defaults(args)
     sargs = list(server_args)
     if model_path and "--load-format" not in sargs:
@@ -802,8 +810,7 @@ def check_smoke(summary: _report.Summary, out_dir: str, n_conc: int, failures: i
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, passthrough = _split_passthrough(argv)
-    args = build_parser().parse_args(own)
-    args.argv = argv  # for command.txt: what this run was asked, also when called as a function
+    args = parse_args(own, argv)
     server_args = shlex.split(args.server_args) + passthrough
 
     if args.from_jsonl:

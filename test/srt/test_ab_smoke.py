@@ -57,6 +57,8 @@ def test_smoke_writes_table_plot_and_logs(smoke):
     assert "Warnings" not in table
     with open(os.path.join(out, "results.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    command = open(os.path.join(out, "command.txt")).read().splitlines()[0]
+    assert command.endswith(f"--concurrency {CONCURRENCIES[0]} {CONCURRENCIES[1]}") and "--smoke" in command
     info = json.load(open(os.path.join(out, "server_info_oea-k0=4.json")))
     assert isinstance(info, dict)
     # every run went through the arm's bench driver: one import per arm, each run's output in its log
