@@ -61,9 +61,9 @@ GPU_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 CPU_CONCURRENCIES = [1, 4, 16, 32, 64]
 SMOKE_CONCURRENCIES = [1, 2]
 
-# bench_serving result keys kept in results.jsonl (the rest, e.g. server_info, is left out).
 # Environment variables written to command.txt when set.
 RECORDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")
+# bench_serving result keys kept in results.jsonl (the rest, e.g. server_info, is left out).
 _DROP_KEYS = ("server_info", "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 
 
@@ -109,6 +109,13 @@ def _log_tail(path: Optional[str], lines: int = 40) -> str:
     with open(path, errors="replace") as f:
         tail = f.readlines()[-lines:]
     return f"\n--- last {len(tail)} lines of {path} ---\n" + "".join(tail)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -249,7 +256,7 @@ def bench_command(args, base_url: str, concurrency: int, num_prompts: int, seed:
     if args.bench_cmd:
         prefix = shlex.split(args.bench_cmd)
     else:
-        module = getattr(args, "bench_module", None) or BENCH_MODULE
+        module = args.bench_module
         prefix = [sys.executable] + ([module] if module.endswith(".py") else ["-m", module])
     return prefix + bench_arguments(args, base_url, concurrency, num_prompts, seed, output_len, output_file)
 
@@ -419,7 +426,7 @@ class BenchClient:
     def __init__(self, args, arm_name: str, env: Optional[Dict[str, str]] = None):
         self.args = args
         self.env = child_env() if env is None else env
-        self.in_process = not (args.bench_cmd or getattr(args, "bench_subprocess", False))
+        self.in_process = not (args.bench_cmd or args.bench_subprocess)
         runs_dir = os.path.join(args.out_dir, "runs")
         os.makedirs(runs_dir, exist_ok=True)
         self.driver_log = os.path.join(runs_dir, f"{arm_name}_driver.log")
@@ -430,8 +437,7 @@ class BenchClient:
         if self.in_process and (self.driver is None or not self.driver.alive()):
             if self.driver is not None:
                 self.driver.close()
-            module = getattr(self.args, "bench_module", None) or BENCH_MODULE
-            self.driver = BenchDriver(module, self.driver_log, self.env, self.args.run_timeout)
+            self.driver = BenchDriver(self.args.bench_module, self.driver_log, self.env, self.args.run_timeout)
 
     def ensure_ready(self) -> None:
         """Wait for the driver's import; if it cannot start, fall back to subprocess mode."""

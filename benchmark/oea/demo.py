@@ -21,7 +21,6 @@ machine, not what a GPU deployment gains. See benchmark/oea/README.md.
 import argparse
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -100,12 +99,6 @@ def build_model(model_dir: str) -> str:
     return model_dir
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ab_argv(args, model_dir: str) -> List[str]:
     """ab_serving.py's command line for the demo."""
     argv = ["--cpu", "--model-path", model_dir, "--out-dir", args.out_dir, "--port", str(args.port),
@@ -179,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    args.port = args.port or free_port()
+    args.port = args.port or ab_serving.free_port()
     for key, value in THREAD_ENV.items():
         os.environ.setdefault(key, value)  # inherited by ab_serving's servers and bench driver
     t_start = time.time()

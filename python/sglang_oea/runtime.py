@@ -141,16 +141,18 @@ class RouterDump:
     def wants(self, step: int) -> bool:
         return step in self.steps_seen or len(self.steps_seen) < self.max_steps
 
-    def write(self, step: int, layer_id: int, router_logits: torch.Tensor, topk_config: Any, top_k: int) -> None:
+    def write(self, step: int, layer_id: int, router_logits: torch.Tensor, spec: RouterSpec,
+              topk_config: Any, top_k: int) -> None:
+        """One record: [B, N] logits plus the routing as SGLang applies it (spec's scoring)."""
         self.steps_seen.add(step)
-        bias = topk_config.correction_bias
+        bias = spec.correction_bias
         record = {
             "router_logits": router_logits.detach().float().cpu(),
             "layer_id": layer_id,
             "step": step,
             "batch_size": router_logits.shape[0],
             "top_k": top_k,
-            "scoring_func": router_spec_of(topk_config).scoring_func,
+            "scoring_func": spec.scoring_func,
             "correction_bias": None if bias is None else bias.detach().float().cpu(),
             "num_expert_group": topk_config.num_expert_group or 1,
             "topk_group": topk_config.topk_group or 1,
@@ -238,7 +240,7 @@ class OEARuntime:
         layer = layer_id or 0
         capturing = is_capturing(router_logits)
         if self.dump is not None and not capturing and self.dump.wants(self.step.index):
-            self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], topk_config, routed)
+            self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], spec, topk_config, routed)
         if self.cfg.k0 >= routed or not self.step_may_apply(capturing):
             return None
         ids, weights, gate, counted = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], spec, capturing)

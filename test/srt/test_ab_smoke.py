@@ -5,7 +5,6 @@ driver process per arm (the default). A few minutes on 2 cores: two server start
 
 import json
 import os
-import socket
 
 import pytest
 
@@ -18,17 +17,11 @@ CONCURRENCIES = (1, 2)
 NUM_PROMPTS = 4
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ab_smoke"))
     summary = ab_serving.run_smoke(out, k0=4, concurrencies=CONCURRENCIES, num_prompts=NUM_PROMPTS,
-                                   port=_free_port())
+                                   port=ab_serving.free_port())
     return out, summary
 
 

@@ -12,7 +12,6 @@
 import json
 import os
 import shlex
-import socket
 import sys
 import textwrap
 import time
@@ -265,12 +264,6 @@ _FAKE_BENCH = textwrap.dedent('''
 ''')
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["driver", "subprocess"])
 def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     (tmp_path / "fake_server.py").write_text(_FAKE_SERVER)
@@ -284,7 +277,7 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     out = tmp_path / "out"
     client = (["--bench-module", str(tmp_path / "fake_bench.py")] if mode == "driver"
               else ["--bench-cmd", f"{sys.executable} {tmp_path / 'fake_bench.py'}"])
-    argv = ["--model-path", str(tmp_path), "--port", str(_free_port()), "--k0", "3", "5",
+    argv = ["--model-path", str(tmp_path), "--port", str(ab_serving.free_port()), "--k0", "3", "5",
             "--oea-max-batch", "64", "--concurrency", "1", "4", "--repeats", "2", "--num-prompts", "4",
             "--warmup-prompts", "2", "--cooldown", "0", "--ready-timeout", "30", "--out-dir", str(out),
             "--launcher", f"{sys.executable} {tmp_path / 'fake_server.py'}",

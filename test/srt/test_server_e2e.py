@@ -6,7 +6,6 @@ One server at a time (this machine has 2 cores); each module-scoped fixture owns
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.server
 
-from ab_serving import Server, child_env, wait_ready
+from ab_serving import Server, child_env, free_port, wait_ready
 from sglang_oea.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -34,12 +33,6 @@ def make_model(directory, arch):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {arch: make_model(str(root / arch), arch) for arch in ("qwen3_moe", "glm4_moe")}
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
