@@ -5,10 +5,12 @@ The CPU path is the one `sglang_oea.cpu_serve` runs: `OEARuntime.route`, the pur
 `gpu_check.py` times that). Per batch size it times, interleaved in each repeat:
   - plain: softmax + torch.topk, what the router itself does;
   - oea: OEARuntime.route with counting off (--oea-disable-stats);
-  - oea+stats: OEARuntime.route with counting on (the default).
-It prints the median over repeats with the min-max, and the ratio to plain.
+  - oea+stats: OEARuntime.route with counting on (the default);
+  - route_from_logits: sglang_oea.routing.route_from_logits alone (no runtime around it).
+It prints the median over repeats with the min-max, the ratio to plain, and the torch ops that one
+oea call dispatches (`torch_ops`: the rule of test/srt/test_lean_routing.py).
 
-    python benchmark/oea/cpu_routing_cost.py                      # B = 4 16 64, N=128, K=8, k0=4
+    python benchmark/oea/cpu_routing_cost.py                      # B = 1 4 16 64 256, N=128, K=8, k0=4
     python benchmark/oea/cpu_routing_cost.py --threads 2 --batch-sizes 4 256 --num-experts 256
 
 CPU timings only: they say nothing about a GPU.
@@ -28,11 +30,9 @@ if str(REPO / "python") not in sys.path:
 
 import torch  # noqa: E402
 
-from sglang_oea.config import OEAConfig  # noqa: E402
-from sglang_oea.runtime import OEARuntime  # noqa: E402
-from sglang_oea.routing import softmax_rows  # noqa: E402
+from sglang_oea.routing import RouterSpec, route_from_logits, softmax_rows  # noqa: E402
 
-VARIANTS = ("plain", "oea", "oea+stats")
+VARIANTS = ("plain", "oea", "oea+stats", "route_from_logits")
 
 
 def topk_config(top_k: int) -> types.SimpleNamespace:
@@ -52,13 +52,32 @@ def per_call_us(fn: Callable[[], object], iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def torch_ops(fn: Callable[[], object]) -> List[str]:
+    """The aten ops one fn() call dispatches from Python: torch.profiler events without a parent
+    event (an op's own sub-ops are not counted). Counted on a second call, after one that builds
+    any cached tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+
+
 def callables(batch: int, num_experts: int, top_k: int, k0: int, seed: int) -> Dict[str, Callable[[], object]]:
     """One routing call per variant on the same [batch, num_experts] bf16 logits."""
+    # Imported here, so that torch_ops is usable without the runtime.
+    from sglang_oea.config import OEAConfig
+    from sglang_oea.runtime import OEARuntime
+
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, num_experts, generator=gen).to(torch.bfloat16)
     weights, ids = torch.topk(softmax_rows(logits.float()), top_k, sorted=False)
     ids, cfg = ids.int(), topk_config(top_k)
-    fns = {"plain": lambda: torch.topk(softmax_rows(logits.float()), top_k, sorted=False)}
+    fns = {
+        "plain": lambda: torch.topk(softmax_rows(logits.float()), top_k, sorted=False),
+        "route_from_logits": lambda: route_from_logits(logits, ids, weights, RouterSpec("softmax"), k0, batch),
+    }
     for name, stats in (("oea", False), ("oea+stats", True)):
         rt = OEARuntime(OEAConfig(k0=k0, min_batch=1, stats=stats))
         rt.begin_step(decode=True, num_rows=batch)
@@ -69,7 +88,8 @@ def callables(batch: int, num_experts: int, top_k: int, k0: int, seed: int) -> D
 
 
 def measure(batch: int, args) -> Dict[str, List[float]]:
-    """Per variant, one per-call time (us) per repeat; the variants alternate within a repeat."""
+    """Per variant, one per-call time (us) per repeat; the variants alternate within a repeat.
+    Under "ops": the number of torch ops of one oea call, in a one-element list."""
     fns = callables(batch, args.num_experts, args.top_k, args.k0, args.seed)
     for fn in fns.values():
         per_call_us(fn, args.warmup)
@@ -77,6 +97,7 @@ def measure(batch: int, args) -> Dict[str, List[float]]:
     for _ in range(args.repeats):
         for name in VARIANTS:
             times[name].append(per_call_us(fns[name], args.iters))
+    times["ops"] = [len(torch_ops(fns["oea"]))]
     return times
 
 
@@ -85,25 +106,27 @@ def spread(values: Sequence[float]) -> str:
 
 
 def report(rows: Dict[int, Dict[str, List[float]]], args) -> str:
-    """Markdown table: per batch size, each variant's median us (min-max) and oea / plain."""
+    """Markdown table: per batch size, each variant's median us (min-max), the torch ops of one
+    oea call, and each variant's median / plain's."""
+    compared = VARIANTS[1:]
     lines = [
         f"CPU routing cost per MoE layer, N={args.num_experts}, top-{args.top_k}, k0={args.k0}, "
         f"{args.threads} thread(s), {args.repeats} repeats of {args.iters} calls: median us (min-max)",
         "",
-        "| B | plain | oea | oea+stats | oea / plain | oea+stats / plain |",
-        "|---|---|---|---|---|---|",
+        "| B | " + " | ".join(VARIANTS) + " | oea torch ops | " + " | ".join(f"{n} / plain" for n in compared) + " |",
+        "|---|" + "---|" * (2 * len(VARIANTS)),
     ]
     for batch, times in rows.items():
         plain = statistics.median(times["plain"])
-        ratios = [statistics.median(times[name]) / plain for name in ("oea", "oea+stats")]
-        cells = [spread(times[name]) for name in VARIANTS] + [f"{r:.1f}x" for r in ratios]
+        ratios = [statistics.median(times[name]) / plain for name in compared]
+        cells = [spread(times[name]) for name in VARIANTS] + [str(times["ops"][0])] + [f"{r:.1f}x" for r in ratios]
         lines.append(f"| {batch} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--num-experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--k0", type=int, default=4)

@@ -564,7 +564,8 @@ def test_cpu_routing_cost_reports_every_batch_size_and_refuses_bad_k0(capsys):
     table = cpu_routing_cost.main(["--batch-sizes", "2", "8", "--repeats", "2", "--iters", "2", "--warmup", "1"])
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split("|")[1].strip() for row in rows] == ["2", "8"]
-    assert all(len(row.strip("|").split("|")) == 6 and row.rstrip("|").endswith("x ") for row in rows)
+    assert all(len(row.strip("|").split("|")) == 9 and row.rstrip("|").endswith("x ") for row in rows)
+    assert all(int(row.split("|")[6]) > 0 for row in rows)  # the torch ops of one oea call
     assert table in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--k0"):
         cpu_routing_cost.main(["--k0", "8"])
