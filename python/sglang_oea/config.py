@@ -17,7 +17,12 @@ logger = logging.getLogger(__name__)
 # B * k0 >= k; B = 4 guarantees that for every k0 >= 2 at k = 8 (Qwen3, DeepSeek-V3, GLM-5).
 DEFAULT_MIN_BATCH = 4
 DEPRECATED_ENV_K0 = "SGLANG_OEA_K0"
-ENGINE_KEYWORDS = ("oea_k0", "oea_min_batch", "oea_max_batch", "oea_stats", "oea_dump_router_logits", "oea_dump_steps")
+KERNEL_CHOICES = ("auto", "triton", "torch")
+# The keywords of sglang.Engine(...), named like the flags' argparse destinations.
+ENGINE_KEYWORDS = (
+    "oea_k0", "oea_min_batch", "oea_max_batch", "oea_disable_stats", "oea_kernel",
+    "oea_dump_router_logits", "oea_dump_steps",
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class OEAConfig:
     min_batch: OEA applies only to decode batches with at least this many real requests.
     max_batch: OEA is skipped above this many real requests; 0 = no cap.
     stats: count distinct experts before/after OEA on the device (for /metrics).
+    kernel: "auto" (the fused Triton kernel on CUDA after a passing startup self-check, else
+        the torch path), "triton" (the kernel, or refuse to start), "torch" (always torch).
     dump_router_logits: directory to record decode router logits into (None = off).
     dump_steps: how many decode steps to record (bounded).
     """
@@ -36,6 +43,7 @@ class OEAConfig:
     min_batch: int = DEFAULT_MIN_BATCH
     max_batch: int = 0
     stats: bool = True
+    kernel: str = "auto"
     dump_router_logits: Optional[str] = None
     dump_steps: int = 32
 
@@ -44,6 +52,10 @@ class OEAConfig:
         _require_int("--oea-min-batch", self.min_batch, minimum=1)
         _require_int("--oea-max-batch", self.max_batch, minimum=0)
         _require_int("--oea-dump-steps", self.dump_steps, minimum=1)
+        if self.kernel not in KERNEL_CHOICES:
+            raise ValueError(f"--oea-kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
+        if not isinstance(self.stats, bool):
+            raise ValueError(f"stats must be True or False (--oea-disable-stats turns it off), got {self.stats!r}")
         if self.max_batch and self.max_batch < self.min_batch:
             raise ValueError(
                 f"--oea-max-batch must be 0 (no cap) or >= --oea-min-batch ({self.min_batch}), "
@@ -59,7 +71,10 @@ class OEAConfig:
 
     def describe(self) -> str:
         cap = self.max_batch or "none"
-        return f"k0={self.k0} min_batch={self.min_batch} max_batch={cap} stats={'on' if self.stats else 'off'}"
+        return (
+            f"k0={self.k0} min_batch={self.min_batch} max_batch={cap} stats={'on' if self.stats else 'off'} "
+            f"kernel={self.kernel}"
+        )
 
 
 def _require_int(flag: str, value: Any, minimum: int, allow_none: bool = False) -> None:
@@ -93,7 +108,11 @@ def build_config(values: Mapping[str, Any], environ: Optional[Mapping[str, str]]
     """OEAConfig from flag values keyed like ENGINE_KEYWORDS (missing/None = default).
 
     --oea-k0 wins over SGLANG_OEA_K0; the variable is used only when the flag is absent.
+    Raises ValueError for a key that is not one of ENGINE_KEYWORDS.
     """
+    unknown = sorted(set(values) - set(ENGINE_KEYWORDS))
+    if unknown:
+        raise ValueError(f"unknown OEA setting(s) {', '.join(unknown)}; allowed: {', '.join(ENGINE_KEYWORDS)}")
     environ = os.environ if environ is None else environ
     k0 = values.get("oea_k0")
     env_k0 = k0_from_environment(environ)
@@ -102,4 +121,9 @@ def build_config(values: Mapping[str, Any], environ: Optional[Mapping[str, str]]
     elif env_k0 is not None and env_k0 != k0:
         logger.warning("--oea-k0 %s overrides %s=%s.", k0, DEPRECATED_ENV_K0, env_k0)
     given = {key[len("oea_"):]: values[key] for key in ENGINE_KEYWORDS[1:] if values.get(key) is not None}
+    if "disable_stats" in given:
+        disable = given.pop("disable_stats")
+        if not isinstance(disable, bool):
+            raise ValueError(f"--oea-disable-stats (oea_disable_stats) must be True or False, got {disable!r}")
+        given["stats"] = not disable
     return OEAConfig(k0=k0, **given)

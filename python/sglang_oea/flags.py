@@ -8,7 +8,7 @@ import argparse
 import logging
 from typing import Any, Callable, Mapping, Optional
 
-from sglang_oea.config import DEFAULT_MIN_BATCH, OEAConfig, build_config, parse_int_flag
+from sglang_oea.config import DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, OEAConfig, build_config, parse_int_flag
 from sglang_oea.model_info import SUPPORTED_FAMILIES, MoEShape, read_moe_shape
 
 logger = logging.getLogger(__name__)
@@ -16,11 +16,23 @@ logger = logging.getLogger(__name__)
 # MoE runner backends whose top-k output carries no topk_ids for OEA to rewrite.
 HIDDEN_TOPK_BACKENDS = {
     "flashinfer_trtllm": "routes inside the MoE kernel (BYPASSED top-k output)",
+    "experimental_sgl_trtllm": "routes inside the MoE kernel, as flashinfer_trtllm does (BYPASSED top-k output)",
     "flashinfer_mxfp4": "routes inside the MoE kernel for non-FP4 experts (BYPASSED top-k output)",
     "triton_kernel": "passes ragged routing metadata instead of topk_ids (TRITON_KERNEL output)",
 }
-WORKING_BACKENDS = "triton, or flashinfer_cutlass / cutlass for FP4 checkpoints"
-FALLBACK_BACKEND = "triton"
+# When `auto` resolves to a backend that hides topk_ids: a backend that keeps them and runs the
+# checkpoint's quantization in SGLang 0.5.23 (triton has no NVFP4 MoE path; cutlass refuses NVFP4).
+FALLBACK_BY_QUANTIZATION = {
+    None: "triton",
+    "fp8": "triton",
+    "modelopt_fp4": "flashinfer_cutlass",
+    "modelopt_fp8": "flashinfer_cutlass",
+    "modelopt_mixed": "flashinfer_cutlass",
+}
+WORKING_BACKENDS = (
+    "triton (bf16, fp8), flashinfer_cutlass (modelopt_fp4, modelopt_fp8, modelopt_mixed) or "
+    "flashinfer_trtllm_routed (nvfp4_online, mxfp8, modelopt_fp4 on SM100)"
+)
 
 
 def _int_type(flag: str, minimum: int) -> Callable[[str], int]:
@@ -59,6 +71,12 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
         help="Do not count distinct experts before/after OEA (the sglang:oea_* expert metrics).",
     )
     group.add_argument(
+        "--oea-kernel", choices=KERNEL_CHOICES, default="auto",
+        help="Routing implementation: auto (default) runs the fused Triton kernel on CUDA after a passing "
+        "startup self-check and the torch path otherwise; triton refuses to start without a passing "
+        "self-check; torch always uses the torch path.",
+    )
+    group.add_argument(
         "--oea-dump-router-logits", default=None, metavar="DIR",
         help="Record decode-step router logits into DIR for benchmark/oea/simulate.py (off by default).",
     )
@@ -70,14 +88,7 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_namespace(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> OEAConfig:
     """OEAConfig from parsed CLI arguments (plus the deprecated SGLANG_OEA_K0)."""
-    values = {
-        "oea_k0": getattr(args, "oea_k0", None),
-        "oea_min_batch": getattr(args, "oea_min_batch", None),
-        "oea_max_batch": getattr(args, "oea_max_batch", None),
-        "oea_stats": not getattr(args, "oea_disable_stats", False),
-        "oea_dump_router_logits": getattr(args, "oea_dump_router_logits", None),
-        "oea_dump_steps": getattr(args, "oea_dump_steps", None),
-    }
+    values = {key: getattr(args, key, None) for key in ENGINE_KEYWORDS}
     return build_config(values, environ)
 
 
@@ -102,6 +113,56 @@ def check_backend(backend: Optional[str]) -> None:
         )
 
 
+def fallback_backend(resolved: str, quantization: Optional[str]) -> Optional[str]:
+    """The backend to use instead of what `--moe-runner-backend auto` resolved to, or None to keep it.
+
+    Raises ValueError with advice when the resolved backend hides topk_ids and no backend known to
+    keep them runs this quantization.
+    """
+    if resolved not in HIDDEN_TOPK_BACKENDS:
+        return None
+    if quantization in FALLBACK_BY_QUANTIZATION:
+        return FALLBACK_BY_QUANTIZATION[quantization]
+    raise ValueError(
+        f"--oea-k0 needs top-k ids, but --moe-runner-backend auto chose {resolved}, which "
+        f"{HIDDEN_TOPK_BACKENDS[resolved]}, and sglang-oea knows no other backend for --quantization "
+        f"{quantization}; pass one that keeps top-k ids and runs it: {WORKING_BACKENDS}"
+    )
+
+
+def check_serving_mode(cfg: OEAConfig, get: Callable[[str, Any], Any]) -> None:
+    """Refuse serving modes OEA cannot honour; warn once about the ones it leaves alone."""
+    if get("enable_deterministic_inference", False):
+        raise ValueError(
+            "--oea-k0 cannot be combined with --enable-deterministic-inference: with OEA a request's "
+            "experts depend on the other requests in its decode batch, so its output does too"
+        )
+    if get("enable_pdmux", False):
+        raise ValueError(
+            "--oea-k0 does not support --enable-pdmux: its decode streams would share one routing workspace"
+        )
+    if get("speculative_algorithm", None):
+        logger.warning(
+            "sglang-oea: with --speculative-algorithm the target model decodes in verify passes, which OEA "
+            "does not route yet; OEA is applied nowhere (counted as skipped, reason target_verify)."
+        )
+
+
+def check_kernel(cfg: OEAConfig, get: Callable[[str, Any], Any], cuda_available: Callable[[], bool]) -> None:
+    """--oea-kernel triton needs a CUDA device (or Triton's interpreter, for tests)."""
+    if cfg.kernel != "triton":
+        return
+    from sglang_oea import kernels
+
+    device = get("device", None)
+    if kernels.interpret_mode():
+        return
+    if device not in (None, "cuda") or not cuda_available():
+        raise ValueError(
+            f"--oea-kernel triton needs a CUDA device (device: {device or 'auto'}); use --oea-kernel auto or torch"
+        )
+
+
 def check_model(shape: Optional[MoEShape], model_path: str, cfg: OEAConfig) -> None:
     """Refuse a model without routed experts; log once when k0 makes OEA a no-op."""
     if shape is None:
@@ -115,17 +176,31 @@ def check_model(shape: Optional[MoEShape], model_path: str, cfg: OEAConfig) -> N
         logger.warning("--oea-k0 %d >= the model's top-k %d: OEA is a no-op for %s.", cfg.k0, shape.top_k, model_path)
 
 
-def validate_server(cfg: OEAConfig, get: Callable[[str, Any], Any], load_hf_config: Callable[[], Any]) -> Optional[MoEShape]:
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def validate_server(
+    cfg: OEAConfig,
+    get: Callable[[str, Any], Any],
+    load_hf_config: Callable[[], Any],
+    cuda_available: Optional[Callable[[], bool]] = None,
+) -> Optional[MoEShape]:
     """All startup checks for an enabled config; returns the model's MoE shape.
 
     Args:
         get: reads a raw server setting, `get(name, default)`.
         load_hf_config: returns the model's Hugging Face config (read lazily: it touches disk).
+        cuda_available: whether this machine has a CUDA device (for --oea-kernel triton).
     """
     if not cfg.enabled:
         return None
     check_parallelism(get)
     check_backend(get("moe_runner_backend", "auto"))
+    check_serving_mode(cfg, get)
+    check_kernel(cfg, get, cuda_available or _cuda_available)
     shape = read_moe_shape(load_hf_config())
     check_model(shape, get("model_path", "?"), cfg)
     return shape

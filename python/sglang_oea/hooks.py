@@ -1,19 +1,26 @@
-"""The thin layer that hooks OEA into SGLang 0.5.23, only through SGLang's HookRegistry.
+"""The thin layer that hooks OEA into SGLang 0.5.23, only through SGLang's own plugin interfaces.
 
 Always installed (the flags must parse even when OEA is off); they add nothing else:
   ServerArgs.add_cli_args    AROUND  adds the --oea-* argument group.
   ServerArgs.from_cli_args   AROUND  builds and validates OEAConfig before any weights load, and
                                      publishes it to the processes SGLang spawns next.
+  ServerArgs.resolve_once    AROUND  turns an OEA refusal raised during resolution into one
+                                     `sglang-oea: error:` line on the command line.
   Engine.__init__            AROUND  the same for sglang.Engine(oea_k0=...).
+  resolution step handle_moe_kernel_config (SGLang's register_resolution_hook)
+                                     when OEA is on and `auto` resolved to a MoE backend that hides
+                                     topk_ids: a backend that keeps them for this quantization.
 Installed only in processes started while OEA is enabled (the published config is present):
   topk._post_process_topk_ids          BEFORE  rewrites logical topk ids and weights (decode only).
-  forward_context.forward_context      AROUND  tells the runtime whether a step is decode, and its rows.
-  Scheduler.__init__                   AFTER   creates the per-rank runtime; logs the settings.
+  forward_context.forward_context      AROUND  tells the runtime what each forward pass is; accounts
+                                               for it when the outermost pass ends.
+  Scheduler.__init__                   AFTER   logs the settings and the kernel choice; metrics.
   SchedulerMetricsReporter.report_decode_stats  BEFORE  exports metrics once per log interval and
                                                  hands SGLang's 'Decode batch' line an OEA summary.
   DecodeCudaGraphRunner.execute        AROUND  sets the device scalar of real rows before a replay.
-Every hook is verified after it is applied; one that did not land stops startup with the name
-of the SGLang function.
+The per-process runtime is created at the first forward pass (CUDA-graph warm-ups run inside
+Scheduler.__init__, before its AFTER hook). Every hook is verified after it is applied; one that
+did not land stops startup with the name of the SGLang function.
 """
 
 import inspect
@@ -22,11 +29,11 @@ import logging
 import os
 import pkgutil
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from sglang_oea import flags
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
-from sglang_oea.runtime import OEARuntime, graph_capture_active
+from sglang_oea.runtime import DECODE, OTHER, VERIFY, OEARuntime, graph_capture_active
 
 logger = logging.getLogger("sglang_oea")
 
@@ -38,11 +45,17 @@ SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 GRAPH_EXECUTE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute"
 DECODE_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 ENGINE_INIT = "sglang.srt.entrypoints.engine.Engine.__init__"
-CLI_TARGETS = (f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", ENGINE_INIT)
+RESOLVE = f"{SERVER_ARGS}.resolve_once"
+MOE_RESOLUTION_STEP = "handle_moe_kernel_config"
+CLI_TARGETS = (f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", RESOLVE, ENGINE_INIT)
 ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS, GRAPH_EXECUTE)
 
 _runtime: Optional[OEARuntime] = None
 _topk_signature: Optional[inspect.Signature] = None
+
+
+class OEAStartupError(ValueError):
+    """A configuration OEA refuses, found while SGLang resolves the server arguments."""
 
 
 # ----------------------------------------------------------------------------- config plumbing
@@ -71,34 +84,47 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Callable[[], An
 
 
 def validate_for_server(cfg: OEAConfig, get: Callable[[str, Any], Any]) -> None:
-    """Run every startup check; register the resolved-backend check. Raises ValueError."""
+    """Run every startup check that needs only the raw settings. Raises ValueError."""
     loader = _load_hf_config(get("model_path", None), bool(get("trust_remote_code", False)))
     flags.validate_server(cfg, get, loader)
-    if cfg.enabled:
-        register_backend_resolution_check()
 
 
-def backend_resolution_pass(view: Any) -> Dict[str, str]:
-    """SGLang post-process pass: if `auto` resolved to a backend that hides topk_ids, use triton.
-
-    An explicit choice of such a backend was already refused before resolution.
-    """
-    backend = getattr(view, "moe_runner_backend", None)
-    backend = getattr(backend, "value", backend)
-    if backend not in flags.HIDDEN_TOPK_BACKENDS:
+def backend_fallback_pass(view: Any) -> dict:
+    """SGLang post-process pass: replace a resolved MoE backend that hides topk_ids (only `auto` can
+    resolve to one: an explicit choice was refused before resolution). Raises OEAStartupError when
+    no backend known to keep topk_ids runs the checkpoint's quantization."""
+    backend = getattr(view.moe_runner_backend, "value", view.moe_runner_backend)
+    try:
+        fallback = flags.fallback_backend(backend, view.quantization)
+    except ValueError as exc:
+        raise OEAStartupError(str(exc)) from None
+    if fallback is None:
         return {}
     logger.warning(
-        "sglang-oea: --moe-runner-backend auto chose %s, which %s; using %s so that OEA can run.",
-        backend, flags.HIDDEN_TOPK_BACKENDS[backend], flags.FALLBACK_BACKEND,
+        "sglang-oea: --moe-runner-backend auto chose %s, which %s; using %s (quantization %s) so that OEA can run.",
+        backend, flags.HIDDEN_TOPK_BACKENDS[backend], fallback, view.quantization,
     )
-    return {"moe_runner_backend": flags.FALLBACK_BACKEND}
+    return {"moe_runner_backend": fallback}
 
 
-def register_backend_resolution_check() -> None:
-    from sglang.srt.arg_groups.overrides import POST_PROCESS_PASSES, register_post_process
+def moe_kernel_config_step(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """SGLang's MoE kernel resolution step, then OEA's backend fallback when OEA is on."""
+    previous(server_args)
+    cfg = published_config()
+    if cfg is not None and cfg.enabled:
+        from sglang.srt.arg_groups.overrides import run_post_process_pass
 
-    if backend_resolution_pass not in POST_PROCESS_PASSES:
-        register_post_process(backend_resolution_pass)
+        run_post_process_pass(server_args, backend_fallback_pass)
+
+
+def resolve_once_hook(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """On the command line, an OEA refusal during resolution is one error line, not a traceback."""
+    try:
+        return original(server_args, *args, **kwargs)
+    except OEAStartupError as exc:
+        if getattr(server_args, "_oea_cli", False):
+            raise SystemExit(f"sglang-oea: error: {exc}") from None
+        raise
 
 
 # ----------------------------------------------------------------------------- CLI and Engine hooks
@@ -118,11 +144,15 @@ def from_cli_args_hook(original: Callable, cls: type, args: Any) -> Any:
     except ValueError as exc:
         raise SystemExit(f"sglang-oea: error: {exc}") from None
     server_args._oea = cfg.as_dict()
+    server_args._oea_cli = True
     publish_config(cfg)
     return server_args
 
 
 def engine_init_hook(original: Callable, self: Any, **kwargs: Any) -> Any:
+    unknown = sorted(key for key in kwargs if key.startswith("oea_") and key not in ENGINE_KEYWORDS)
+    if unknown:
+        raise ValueError(f"sglang.Engine: unknown OEA keyword(s) {', '.join(unknown)}; allowed: {', '.join(ENGINE_KEYWORDS)}")
     values = {key: kwargs.pop(key) for key in ENGINE_KEYWORDS if key in kwargs}
     record = kwargs.get("server_args")
     if record is not None and getattr(record, "_oea", None):
@@ -138,47 +168,72 @@ def engine_init_hook(original: Callable, self: Any, **kwargs: Any) -> Any:
 # ----------------------------------------------------------------------------- routing hooks
 
 
-def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Create this rank's runtime and log the settings with the model's routing shape."""
+def ensure_runtime() -> Optional[OEARuntime]:
+    """This process's runtime, created on first use from the published config (None when OEA is off)."""
     global _runtime
+    if _runtime is None:
+        cfg = published_config()
+        if cfg is None or not cfg.enabled:
+            return None
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+
+        _runtime = OEARuntime(cfg, rank=int(get_parallel().tp_rank or 0),
+                              speculative=bool(get_server_args().speculative_algorithm))
+    return _runtime
+
+
+def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Log this rank's settings with the model's routing shape and the kernel choice; metrics."""
+    from sglang_oea import metrics
     from sglang_oea.model_info import read_moe_shape
 
-    cfg = published_config()
-    rank = int(getattr(scheduler, "tp_rank", 0) or 0)
-    _runtime = OEARuntime(cfg, rank=rank, device=routing_device())
+    runtime = ensure_runtime()
+    if runtime is None:
+        return
+    cfg = runtime.cfg
     shape = read_moe_shape(scheduler.model_config.hf_config)
     model = shape.describe() if shape else "no routed experts"
     state = "no-op (k0 >= top-k)" if shape and cfg.k0 >= shape.top_k else "on"
-    logger.info("sglang-oea rank %d: OEA %s, %s; model %s", rank, state, cfg.describe(), model)
-    from sglang_oea import metrics
+    logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s", runtime.rank, state, cfg.describe(), model,
+                runtime.routers.describe())
+    metrics.attach(runtime, scheduler)
 
-    metrics.attach(_runtime, scheduler)
+
+def forward_mode_of(forward_batch: Any) -> str:
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
+        return DECODE
+    return VERIFY if mode.is_target_verify() else OTHER
 
 
-def routing_device():
-    """Where this process routes: its current CUDA device, else the CPU."""
-    import torch
+def capture_mode_active() -> bool:
+    """A CUDA-graph warm-up or capture pass (SGLang's capture mode, or a stream being captured)."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
 
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return get_is_capture_mode() or graph_capture_active()
 
 
 @contextmanager
 def _oea_step(inner: Any, forward_batch: Any):
     """Enter SGLang's forward context with the runtime told what this forward pass is."""
-    if forward_batch is None or _runtime is None:
+    runtime = ensure_runtime() if forward_batch is not None else None
+    if runtime is None:
         with inner:
             yield
         return
-    # SGLang nests forward contexts for one forward pass; only the outermost counts as a step.
-    outermost = _runtime.depth == 0 and not graph_capture_active()
-    previous = _runtime.begin_step(forward_batch.forward_mode.is_decode(), int(forward_batch.batch_size), count=outermost)
-    _runtime.depth += 1
+    # SGLang nests forward contexts within one forward pass; the outermost one is the step.
+    outermost = runtime.depth == 0
+    previous = runtime.begin_step(forward_mode_of(forward_batch), int(forward_batch.batch_size),
+                                  graph=capture_mode_active(), outermost=outermost)
+    runtime.depth += 1
     try:
         with inner:
             yield
     finally:
-        _runtime.depth -= 1
-        _runtime.step = previous
+        runtime.depth -= 1
+        if outermost:
+            runtime.end_step()
+        runtime.step = previous
 
 
 def forward_context_hook(original: Callable, ctx: Any, *args: Any, forward_batch: Any = None, **kwargs: Any):
@@ -202,10 +257,14 @@ def topk_post_hook(*args: Any, **kwargs: Any) -> Optional[Tuple[tuple, dict]]:
 
 
 def graph_execute_hook(original: Callable, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Before each decode-graph replay, tell the captured routing how many rows are real."""
+    """Before each decode-graph replay, tell the captured routing how many rows are real; after
+    it, note which bucket was replayed (its capture decides whether this step applied OEA)."""
     if _runtime is not None:
-        _runtime.graph_rows.fill_(int(forward_batch.batch_size))
-    return original(runner, forward_batch, *args, **kwargs)
+        _runtime.set_replay_rows(int(forward_batch.batch_size))
+    output = original(runner, forward_batch, *args, **kwargs)
+    if _runtime is not None:
+        _runtime.note_replay(int(runner.bs))
+    return output
 
 
 def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
@@ -243,13 +302,17 @@ def missing_hooks(targets: Tuple[str, ...]) -> List[str]:
 
 def install() -> None:
     """Plugin entry: CLI hooks always; routing hooks when a published config enables OEA."""
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS, register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookType
 
     _register([
         (f"{SERVER_ARGS}.add_cli_args", add_cli_args_hook, HookType.AROUND),
         (f"{SERVER_ARGS}.from_cli_args", from_cli_args_hook, HookType.AROUND),
+        (RESOLVE, resolve_once_hook, HookType.AROUND),
         (ENGINE_INIT, engine_init_hook, HookType.AROUND),
     ])
+    if moe_kernel_config_step not in _HOOKS.get(MOE_RESOLUTION_STEP, []):
+        register_resolution_hook(MOE_RESOLUTION_STEP)(moe_kernel_config_step)
     for target in missing_hooks(CLI_TARGETS):
         logger.error("sglang-oea: could not hook SGLang's %s; the --oea-* flags are unavailable.", target)
     cfg = published_config()

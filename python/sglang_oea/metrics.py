@@ -9,6 +9,7 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_decode_steps_applied_total{model_name,tp_rank}
     sglang:oea_decode_steps_skipped_total{model_name,tp_rank,reason}
     sglang:oea_k0{model_name,tp_rank}
+    sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
 Expert counts are averaged over the decode steps where OEA applied in the last interval.
 """
 
@@ -36,6 +37,8 @@ class PrometheusExport:
         self.skipped = Counter("sglang:oea_decode_steps_skipped", "Forward steps where OEA did not apply", names + ["reason"])
         k0_gauge = Gauge("sglang:oea_k0", "The k0 in force", names, multiprocess_mode="mostrecent")
         k0_gauge.labels(**labels).set(k0)
+        self.kernel = Gauge("sglang:oea_kernel_info", "MoE routing shapes per routing implementation and kernel "
+                            "self-check result", names + ["kernel", "self_check"], multiprocess_mode="mostrecent")
         self.exported_applied = 0
         self.exported_skipped: Dict[str, int] = {}
 
@@ -50,6 +53,8 @@ class PrometheusExport:
         for reason, count in runtime.skipped_steps.items():
             self.skipped.labels(**self.labels, reason=reason).inc(count - self.exported_skipped.get(reason, 0))
             self.exported_skipped[reason] = count
+        for (kernel, result), shapes in runtime.routers.status().items():
+            self.kernel.labels(**self.labels, kernel=kernel, self_check=result).set(shapes)
 
 
 def enumerate_layers(layers: Any):

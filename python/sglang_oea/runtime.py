@@ -1,39 +1,75 @@
 """Per-process OEA state and the routing step the SGLang hook calls. No SGLang import.
 
 One OEARuntime lives in each scheduler / TP-worker process. The forward-context hook tells it
-what kind of step is running (decode or not, how many real rows); the routing hook hands it
-SGLang's top-k output, and it returns the OEA ids and weights, or None to leave them alone.
-Statistics are kept on the device and read by the host once per decode-log interval.
+what kind of pass is running (decode, verify or other; its real rows; whether it is a CUDA-graph
+warm-up or capture pass); the routing hook hands it SGLang's top-k output, and it returns the OEA
+ids and weights, or None to leave them alone. Statistics are kept on the device and read by the
+host once per decode-log interval.
+
+Accounting is done when the outermost forward pass ends, from what actually happened in it: a
+decode step counts as applied only if OEA rewrote its ids (eagerly, or by replaying a CUDA graph
+whose capture rewrote them); otherwise it is skipped with the reason. Warm-up and capture passes
+are not serving steps and are not counted; under speculative decoding, decode passes belong to the
+draft model and are not counted either.
 """
 
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from sglang_oea.config import OEAConfig
 from sglang_oea.reference import batch_gate, distinct_experts
-from sglang_oea.routing import RouterSpec, route_from_logits
+from sglang_oea.routers import CAPTURE, EAGER, WARMUP, GraphCaptureError, RouterChoice
+from sglang_oea.routing import RouterSpec
 
 logger = logging.getLogger(__name__)
 
+DECODE, VERIFY, OTHER = "decode", "verify", "other"
 SKIP_BELOW_MIN = "below_min_batch"
 SKIP_ABOVE_MAX = "above_max_batch"
 SKIP_NOT_DECODE = "not_decode"
+SKIP_VERIFY = "target_verify"
+SKIP_NO_IDS = "no_topk_ids"
+SKIP_UNSUPPORTED = "router_unsupported"
+SKIP_NOOP = "k0_covers_top_k"
 MAX_LAYERS = 1024
+
+
+@dataclass
+class PassTally:
+    """What happened to the routing during one outermost forward pass (nested contexts share it)."""
+
+    rewrote: bool = False  # OEA rewrote the ids of some MoE layer
+    unsupported: bool = False  # a target MoE layer has a router OEA does not handle
+    noop: bool = False  # k0 >= the layer's top-k
+    replayed_bucket: Optional[int] = None  # the decode graph replayed for this pass
+    rows_written: bool = False  # the device row count holds this pass's real rows
+
+    def outcome(self) -> Optional[str]:
+        """None when OEA rewrote ids, else the skip reason."""
+        if self.rewrote:
+            return None
+        return SKIP_UNSUPPORTED if self.unsupported else SKIP_NOOP if self.noop else SKIP_NO_IDS
 
 
 @dataclass
 class StepInfo:
     """What the current forward pass is: set by the forward-context hook."""
 
-    decode: bool = False
+    mode: str = OTHER
     num_rows: int = 0
-    apply: bool = False
-    index: int = -1
+    apply: bool = False  # the host batch gate (real rows; eager passes)
+    graph: bool = False  # a CUDA-graph warm-up or capture pass (num_rows is the bucket size)
+    index: int = -1  # decode steps counted before this one (router dumps)
+    tally: PassTally = field(default_factory=PassTally)
+
+    @property
+    def decode(self) -> bool:
+        return self.mode == DECODE
 
 
 def graph_capture_active() -> bool:
@@ -44,48 +80,6 @@ def graph_capture_active() -> bool:
 def is_capturing(tensor: torch.Tensor) -> bool:
     """True while a CUDA graph that `tensor` belongs to is being captured."""
     return tensor.is_cuda and graph_capture_active()
-
-
-class FusedRouter:
-    """The fused Triton kernel on CUDA, with one preallocated workspace per MoE layer; the
-    pure-torch reference everywhere else. Both compute the same routing (test_oea_kernel.py)."""
-
-    MIN_WORKSPACE_ROWS = 1024
-
-    def __init__(self):
-        self.workspaces = {}
-
-    def workspace(self, layer: int, router_logits, topk_ids, topk_weights, capturing: bool):
-        """This layer's workspace, allocated outside capture (SGLang warms up before capturing)."""
-        from sglang_oea.kernels import OEAWorkspace
-
-        rows, num_experts = router_logits.shape
-        ws = self.workspaces.get(layer)
-        if not capturing and (ws is None or ws.out_ids.shape[0] < rows):
-            ws = OEAWorkspace.allocate(
-                num_experts, topk_ids.shape[1], max(rows, self.MIN_WORKSPACE_ROWS),
-                topk_ids.dtype, topk_weights.dtype, router_logits.device,
-            )
-            self.workspaces[layer] = ws
-        return ws
-
-    def __call__(self, layer, router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch, capturing, stats=None):
-        """(ids, weights, counted): counted is True when the kernel added to `stats` itself."""
-        from sglang_oea import kernels
-
-        # Under TRITON_INTERPRET=1 (tests) the kernel also runs on CPU tensors.
-        wanted = router_logits.is_cuda or kernels.interpret_mode()
-        if not (wanted and kernels.is_available(router_logits.device)):
-            ids, weights = route_from_logits(router_logits, topk_ids, topk_weights, spec, k0, rows, min_batch, max_batch)
-            return ids, weights, False
-        ws = self.workspace(layer, router_logits, topk_ids, topk_weights, capturing)
-        ids, weights = kernels.oea_route(
-            router_logits, topk_ids, topk_weights, k0=k0, scoring_func=spec.scoring_func,
-            correction_bias=spec.correction_bias, num_groups=spec.num_groups,
-            restrict_groups=spec.restrict_groups, num_valid_rows=rows, min_batch=min_batch,
-            max_batch=max_batch, workspace=ws, stats=stats,
-        )
-        return ids.long(), weights, stats is not None
 
 
 def router_spec_of(topk_config: Any) -> RouterSpec:
@@ -108,12 +102,19 @@ def router_spec_of(topk_config: Any) -> RouterSpec:
 class ExpertStats:
     """Device-side sums of distinct experts per MoE layer, before and after OEA.
 
-    sums: [MAX_LAYERS, 3] int64 on the routing device: (steps, T before, T after) per layer.
-    Allocated up front, so CUDA-graph capture records in-place adds into a persistent buffer.
+    sums: [MAX_LAYERS, 3] int64 view on the routing device: (steps, T before, T after) per layer.
+    Allocated up front, so CUDA-graph capture records in-place adds into a persistent buffer. Rows
+    are padded to 32 bytes: every layer's row is then 16-byte aligned, which is one compiled kernel
+    variant for all layers (Triton specialises pointers on their alignment).
     """
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(MAX_LAYERS, 3, dtype=torch.int64, device=device)
+        self.padded = torch.zeros(MAX_LAYERS, 4, dtype=torch.int64, device=device)
+        self.sums = self.padded[:, :3]
+
+    def row(self, layer_id: int) -> torch.Tensor:
+        """[3] int64, contiguous and 16-byte aligned: the kernel's stats= argument for this layer."""
+        return self.sums[layer_id]
 
     def add(self, layer_id: int, before: torch.Tensor, after: torch.Tensor, gate: Any = 1) -> None:
         """gate: 1, or a 0-d device bool/int (graph replays where the batch gate was closed add 0)."""
@@ -161,33 +162,76 @@ class RouterDump:
         torch.save(record, os.path.join(self.directory, name))
 
 
-def routing_supported(topk_config: Any, spec: RouterSpec) -> bool:
-    """OEA knows softmax and sigmoid(+bias) top-k routers, not custom routing functions."""
-    return topk_config.custom_routing_function is None and spec.scoring_func in ("softmax", "sigmoid")
+def routing_support(topk_config: Any, spec: RouterSpec) -> Optional[str]:
+    """None when OEA handles this router, else why not (softmax and sigmoid(+bias) top-k only)."""
+    if topk_config.custom_routing_function is not None:
+        return "a custom routing function"
+    if spec.scoring_func not in ("softmax", "sigmoid"):
+        return f"scoring_func={spec.scoring_func!r}"
+    backend = getattr(topk_config, "runner_backend", None)
+    trtllm_routed = backend is not None and getattr(backend, "value", backend) == "flashinfer_trtllm_routed"
+    if trtllm_routed and spec.scoring_func == "softmax" and spec.correction_bias is None and not topk_config.renormalize:
+        # That backend's softmax router hands over raw logits as weights, which OEA cannot rescale.
+        return "flashinfer_trtllm_routed with an unnormalised softmax router (raw-logit weights)"
+    return None
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """A MoE layer's routing, read once from its TopKConfig: spec, routed columns, or why not.
+
+    slot: this (layer, TopKConfig) pair's index, which keys its router and workspace.
+    config: the TopKConfig itself, held so that its id() is not reused while it is a key.
+    """
+
+    spec: RouterSpec
+    num_routed: int
+    unsupported: Optional[str]
+    slot: int
+    config: Any
+
+
+class DeviceState:
+    """Per-process device tensors, made at the first routing call (outside capture): the real
+    row count that captured graphs read, and the expert counters."""
+
+    def __init__(self, device: torch.device, stats: bool):
+        self.rows = torch.zeros((), dtype=torch.int32, device=device)
+        self.stats = ExpertStats(device) if stats else None
 
 
 class OEARuntime:
     """OEA for one process: gate, route, count."""
 
-    def __init__(self, cfg: OEAConfig, rank: int = 0, device: Optional[torch.device] = None):
-        device = torch.device("cpu") if device is None else device
+    def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False):
         self.cfg = cfg
         self.rank = rank
-        # Real rows of the decode batch being replayed: set before each CUDA-graph replay.
-        self.graph_rows = torch.zeros((), dtype=torch.int32, device=device)
+        self.speculative = speculative
         self.step = StepInfo()
+        self.device: Optional[DeviceState] = None
         self.decode_steps = 0
         self.applied_steps = 0
         self.skipped_steps: Counter = Counter()
-        self.stats = ExpertStats(device) if cfg.stats else None
+        self.captured: Dict[int, Optional[str]] = {}  # graph bucket -> outcome of its capture pass
         self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
         self.depth = 0  # nesting of SGLang forward contexts
-        self.fused = FusedRouter()
-        self.unsupported_warned = False
+        self.routers = RouterChoice(cfg.kernel, cfg.k0, rank)
+        self.layers: Dict[Tuple[int, int], LayerRouting] = {}  # (layer id, id(TopKConfig)) -> routing
+        self.warned: set = set()
 
-    def skip_reason(self, decode: bool, num_rows: int) -> Optional[str]:
-        """Why OEA does not apply to this forward pass, or None when it does."""
-        if not decode:
+    @property
+    def stats(self) -> Optional["ExpertStats"]:
+        return None if self.device is None else self.device.stats
+
+    @property
+    def graph_rows(self) -> Optional[torch.Tensor]:
+        return None if self.device is None else self.device.rows
+
+    def skip_reason(self, mode: str, num_rows: int) -> Optional[str]:
+        """Why the host gate keeps OEA off this pass, or None when it may apply."""
+        if mode == VERIFY:
+            return SKIP_VERIFY
+        if mode != DECODE:
             return SKIP_NOT_DECODE
         if num_rows < self.cfg.min_batch:
             return SKIP_BELOW_MIN
@@ -195,23 +239,75 @@ class OEARuntime:
             return SKIP_ABOVE_MAX
         return None
 
-    def begin_step(self, decode: bool, num_rows: int, count: bool = True) -> StepInfo:
+    def begin_step(self, mode: str = DECODE, num_rows: int = 0, graph: bool = False, outermost: bool = True,
+                   decode: Optional[bool] = None) -> StepInfo:
         """Enter a forward pass (host ints only: no device sync); returns the previous step.
 
-        count=False re-enters the pass already counted (SGLang nests its forward contexts).
+        A nested context (outermost=False) describes the same pass: it shares its tally.
+        `decode=True/False` is shorthand for mode DECODE / OTHER.
         """
+        if decode is not None:
+            mode = DECODE if decode else OTHER
         previous = self.step
-        reason = self.skip_reason(decode, num_rows)
-        index = self.decode_steps - int(not count) if decode else previous.index
-        self.step = StepInfo(decode=decode, num_rows=num_rows, apply=reason is None, index=index)
-        if not count:
-            return previous
-        self.decode_steps += int(decode)
+        tally = PassTally() if outermost else previous.tally
+        index = self.decode_steps if outermost else previous.index
+        apply = self.skip_reason(mode, num_rows) is None
+        self.step = StepInfo(mode=mode, num_rows=num_rows, apply=apply, graph=graph, index=index, tally=tally)
+        return previous
+
+    def end_step(self) -> None:
+        """Account for the outermost pass that is ending (see the module docstring)."""
+        step = self.step
+        if step.graph:
+            if step.decode:  # replays of this bucket rewrite ids iff this capture pass did
+                self.captured[step.num_rows] = step.tally.outcome()
+            return
+        if step.mode == DECODE and self.speculative:
+            return
+        self.decode_steps += int(step.decode)
+        reason = self.skip_reason(step.mode, step.num_rows)
+        if reason is None:
+            reason = self.replay_outcome(step.tally) if step.tally.replayed_bucket is not None else step.tally.outcome()
         if reason is None:
             self.applied_steps += 1
-        else:
-            self.skipped_steps[reason] += 1
-        return previous
+            return
+        self.skipped_steps[reason] += 1
+        if reason == SKIP_NO_IDS:
+            self.warn_once(SKIP_NO_IDS, "sglang-oea: a decode step ended without the routing hook seeing any top-k "
+                           "ids; the MoE backend may route inside its kernel. OEA is not applied (metric reason "
+                           "no_topk_ids).")
+
+    def replay_outcome(self, tally: PassTally) -> Optional[str]:
+        """A replayed decode graph rewrote ids iff its capture pass did (the device gate agrees with
+        the host gate, which already passed)."""
+        return self.captured.get(tally.replayed_bucket, SKIP_NO_IDS)
+
+    def set_replay_rows(self, real_rows: int) -> None:
+        """Before a decode-graph replay: the real rows, for the captured routing to read."""
+        if self.device is not None:
+            self.device.rows.fill_(real_rows)
+
+    def note_replay(self, bucket: int) -> None:
+        """After a decode-graph replay: which bucket's graph ran in this pass."""
+        self.step.tally.replayed_bucket = bucket
+
+    def warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            logger.warning(message, *args)
+
+    def layer_routing(self, layer: int, topk_config: Any, width: int) -> LayerRouting:
+        """This layer's routing, read from its TopKConfig on the first call. Keyed by the config object
+        too: a layer id alone may be reused (a draft model, or tests routing several configs)."""
+        key = (layer, id(topk_config))
+        known = self.layers.get(key)
+        if known is None:
+            spec = router_spec_of(topk_config)
+            num_shared = topk_config.num_shared_topk_slots if width == topk_config.top_k else 0
+            known = LayerRouting(spec, width - num_shared, routing_support(topk_config, spec), len(self.layers),
+                                 topk_config)
+            self.layers[key] = known
+        return known
 
     def route(
         self,
@@ -227,57 +323,68 @@ class OEARuntime:
             topk_ids: [B, K + S] int32, K routed columns then S fused shared-expert columns.
             topk_weights: [B, K + S] float.
             router_logits: [B, N] raw router logits.
+        Returns:
+            (ids [B, K + S] in topk_ids.dtype, weights [B, K + S] in topk_weights.dtype), or None.
         """
+        step = self.step
         # Draft-model MoE blocks opt out of routed-expert capture; OEA leaves them alone too.
-        if not self.step.decode or not topk_config.allow_routed_experts_capture:
+        if not step.decode or not topk_config.allow_routed_experts_capture:
             return None
-        spec = router_spec_of(topk_config)
-        if not routing_supported(topk_config, spec):
-            self.warn_unsupported(topk_config)
-            return None
-        num_shared = topk_config.num_shared_topk_slots if topk_ids.shape[1] == topk_config.top_k else 0
-        routed = topk_ids.shape[1] - num_shared
         layer = layer_id or 0
-        capturing = is_capturing(router_logits)
-        if self.dump is not None and not capturing and self.dump.wants(self.step.index):
-            self.dump.write(self.step.index, layer, router_logits[: self.step.num_rows], spec, topk_config, routed)
-        if self.cfg.k0 >= routed or not self.step_may_apply(capturing):
+        info = self.layer_routing(layer, topk_config, topk_ids.shape[1])
+        if info.unsupported is not None:
+            step.tally.unsupported = True
+            self.warn_once(SKIP_UNSUPPORTED, "sglang-oea: this model's router (%s) is not supported; its experts "
+                           "are routed unchanged.", info.unsupported)
             return None
-        ids, weights, gate, counted = self.route_routed(layer, router_logits, topk_ids[:, :routed], topk_weights[:, :routed], spec, capturing)
-        if self.stats is not None and not counted:
-            rows = self.graph_rows if capturing else self.step.num_rows
-            num_experts = router_logits.shape[1]
-            before = distinct_experts(topk_ids[:, :routed], num_experts, rows)
-            self.stats.add(layer, before, distinct_experts(ids, num_experts, rows), gate)
-        ids = torch.cat([ids.to(topk_ids.dtype), topk_ids[:, routed:]], dim=1)
-        return ids, torch.cat([weights, topk_weights[:, routed:]], dim=1)
+        capturing = is_capturing(router_logits)
+        graph = step.graph or capturing
+        if self.dump is not None and not graph and self.dump.wants(step.index):
+            self.dump.write(step.index, layer, router_logits[: step.num_rows], info.spec, topk_config, info.num_routed)
+        if self.cfg.k0 >= info.num_routed:
+            step.tally.noop = True
+            return None
+        # A graph bucket is gated on the device at replay: only buckets too small for min_batch
+        # can be left out. Eager passes were gated on the host with their real rows.
+        if (graph and step.num_rows < self.cfg.min_batch) or (not graph and not step.apply):
+            return None
+        ids, weights = self.route_layer(layer, info, router_logits, topk_ids, topk_weights, capturing, graph)
+        step.tally.rewrote = True
+        return ids, weights
 
-    def warn_unsupported(self, topk_config: Any) -> None:
-        if not self.unsupported_warned:
-            self.unsupported_warned = True
-            logger.warning(
-                "sglang-oea: this model's router (scoring_func=%r, custom routing function: %s) is not "
-                "supported; its experts are routed unchanged.",
-                topk_config.scoring_func, topk_config.custom_routing_function is not None,
-            )
+    def device_state(self, device: torch.device, capturing: bool) -> DeviceState:
+        if self.device is None:
+            if capturing:
+                raise GraphCaptureError("sglang-oea: the routing state would be allocated inside CUDA-graph capture")
+            self.device = DeviceState(device, self.cfg.stats)
+        return self.device
 
-    def step_may_apply(self, capturing: bool) -> bool:
-        """Host-side gate. Under graph capture the batch is a bucket: the real rows, known only at
-        replay, are gated on the device, so only buckets too small for min_batch are skipped."""
-        if capturing:
-            return self.step.num_rows >= self.cfg.min_batch
-        return self.step.apply
+    def route_layer(self, layer: int, info: LayerRouting, logits, ids, weights, capturing: bool, graph: bool):
+        """Run the chosen router on one layer; count distinct experts if the router did not."""
+        state = self.device_state(logits.device, capturing)
+        router = self.routers.router_for(info.slot, logits, ids, weights, info.spec, info.num_routed,
+                                         state.stats is not None, capturing)
+        rows, lo, hi = self.row_count(router.name, graph)
+        stats_row = None if state.stats is None else state.stats.row(layer)
+        phase = CAPTURE if capturing else WARMUP if graph else EAGER
+        new_ids, new_weights, counted = router(info.slot, logits, ids, weights, info.spec, self.cfg.k0,
+                                               info.num_routed, rows, lo, hi, phase, stats_row)
+        if state.stats is not None and not counted:
+            k, n = info.num_routed, logits.shape[1]
+            gate = batch_gate(rows, lo, hi) if isinstance(rows, torch.Tensor) else 1
+            before = distinct_experts(ids[:, :k], n, rows)
+            state.stats.add(layer, before, distinct_experts(new_ids[:, :k], n, rows), gate)
+        return new_ids, new_weights
 
-    def route_routed(self, layer, router_logits, topk_ids, topk_weights, spec, capturing):
-        """(ids, weights, gate, counted) for the routed columns.
-
-        gate is 1, or a device 0/1 when capturing; counted says the kernel already added this
-        call's distinct-expert counts to the stats (the pure-torch path leaves that to route()).
-        """
-        stats = None if self.stats is None else self.stats.sums[layer]
-        if not capturing:  # the host already gated this step on its real rows
-            rows, lo, hi = self.step.num_rows, 1, 0
-        else:
-            rows, lo, hi = self.graph_rows, self.cfg.min_batch, self.cfg.max_batch
-        ids, weights, counted = self.fused(layer, router_logits, topk_ids, topk_weights, spec, self.cfg.k0, rows, lo, hi, capturing, stats)
-        return ids, weights, (batch_gate(rows, lo, hi) if capturing else 1), counted
+    def row_count(self, router: str, graph: bool):
+        """(rows, min_batch, max_batch) for the router. Graph passes and the kernel read the real
+        rows from the device scalar and gate on the device; the eager torch path uses host ints
+        (the host gate already passed)."""
+        if graph:
+            return self.device.rows, self.cfg.min_batch, self.cfg.max_batch
+        if router == "torch":
+            return self.step.num_rows, 1, 0
+        if not self.step.tally.rows_written:  # one small device write per eager pass
+            self.device.rows.fill_(self.step.num_rows)
+            self.step.tally.rows_written = True
+        return self.device.rows, self.cfg.min_batch, self.cfg.max_batch

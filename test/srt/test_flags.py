@@ -60,8 +60,19 @@ def test_defaults_mean_off():
 
 
 def test_all_flags_parse():
-    cfg = parse(["--oea-k0", "5", "--oea-min-batch", "8", "--oea-max-batch", "64", "--oea-disable-stats", "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3"])
-    assert cfg == OEAConfig(k0=5, min_batch=8, max_batch=64, stats=False, dump_router_logits="/tmp/d", dump_steps=3)
+    cfg = parse(["--oea-k0", "5", "--oea-min-batch", "8", "--oea-max-batch", "64", "--oea-disable-stats", "--oea-kernel", "torch",
+                 "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3"])
+    assert cfg == OEAConfig(k0=5, min_batch=8, max_batch=64, stats=False, kernel="torch", dump_router_logits="/tmp/d", dump_steps=3)
+
+
+def test_bad_kernel_choice_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse(["--oea-k0", "3", "--oea-kernel", "cuda"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--oea-kernel" in err and "'auto', 'triton', 'torch'" in err
+    with pytest.raises(ValueError, match="--oea-kernel must be one of auto, triton, torch, got 'cuda'"):
+        OEAConfig(k0=3, kernel="cuda")
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -120,6 +131,9 @@ def test_valid_server_passes_and_reports_shape(moe_model):
     ({"moe_runner_backend": "flashinfer_trtllm"}, "--moe-runner-backend flashinfer_trtllm .* use --moe-runner-backend triton"),
     ({"moe_runner_backend": "triton_kernel"}, "--moe-runner-backend triton_kernel"),
     ({"moe_runner_backend": "flashinfer_mxfp4"}, "--moe-runner-backend flashinfer_mxfp4"),
+    ({"moe_runner_backend": "experimental_sgl_trtllm"}, "--moe-runner-backend experimental_sgl_trtllm routes inside"),
+    ({"enable_deterministic_inference": True}, "cannot be combined with --enable-deterministic-inference"),
+    ({"enable_pdmux": True}, "does not support --enable-pdmux"),
 ])
 def test_unsupported_configurations_are_refused(moe_model, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -144,10 +158,86 @@ def test_k0_at_least_top_k_is_logged_as_noop(moe_model, caplog):
     assert "OEA is a no-op" in caplog.text
 
 
-def test_auto_backend_that_hides_topk_ids_is_replaced():
-    assert hooks.backend_resolution_pass(SimpleNamespace(moe_runner_backend="flashinfer_trtllm")) == {"moe_runner_backend": "triton"}
-    assert hooks.backend_resolution_pass(SimpleNamespace(moe_runner_backend="flashinfer_cutlass")) == {}
-    assert hooks.backend_resolution_pass(SimpleNamespace(moe_runner_backend="triton")) == {}
+def test_hidden_topk_advice_names_backends_that_run_fp4():
+    with pytest.raises(ValueError) as exc:
+        flags.check_backend("flashinfer_trtllm")
+    advice = str(exc.value)
+    assert "flashinfer_cutlass (modelopt_fp4" in advice and "cutlass /" not in advice
+
+
+@pytest.mark.parametrize("resolved,quantization,want", [
+    ("flashinfer_trtllm", None, "triton"),
+    ("flashinfer_trtllm", "fp8", "triton"),
+    ("flashinfer_trtllm", "modelopt_fp4", "flashinfer_cutlass"),
+    ("experimental_sgl_trtllm", "modelopt_fp8", "flashinfer_cutlass"),
+    ("flashinfer_trtllm", "modelopt_mixed", "flashinfer_cutlass"),
+    ("flashinfer_cutlass", "modelopt_fp4", None),
+    ("triton", None, None),
+])
+def test_auto_fallback_runs_the_quantization(resolved, quantization, want):
+    assert flags.fallback_backend(resolved, quantization) == want
+
+
+@pytest.mark.parametrize("resolved,quantization", [("flashinfer_trtllm", "nvfp4_online"), ("flashinfer_mxfp4", "mxfp4"),
+                                                   ("flashinfer_trtllm", "mxfp8")])
+def test_auto_fallback_refuses_without_a_known_backend(resolved, quantization):
+    with pytest.raises(ValueError, match=f"auto chose {resolved}.*--quantization {quantization}; pass one that keeps top-k ids"):
+        flags.fallback_backend(resolved, quantization)
+
+
+@pytest.fixture
+def auto_resolves_to_trtllm(monkeypatch):
+    """SGLang's own resolution pipeline, with `auto` resolving to flashinfer_trtllm as it does for
+    DeepSeek-style models on SM100 (this machine has no GPU to make it do so)."""
+    from sglang.srt.arg_groups import moe_hook
+
+    def quant_constraints(view):
+        return {"moe_runner_backend": "flashinfer_trtllm"}
+
+    monkeypatch.setattr(moe_hook, "_moe_runner_backend_quant_constraints", quant_constraints)
+    monkeypatch.setenv(hooks.CONFIG_ENV, "")
+    hooks.install()
+
+
+def test_resolution_replaces_an_auto_backend_that_hides_ids(moe_model, auto_resolves_to_trtllm, capfd):
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", moe_model, "--device", "cpu", "--oea-k0", "3"])
+    server_args.resolve_once()
+    assert resolved_view(server_args).moe_runner_backend == "triton"
+    err = capfd.readouterr().err  # SGLang's logging setup replaces the root handlers (no caplog)
+    assert "auto chose flashinfer_trtllm" in err and "using triton (quantization None)" in err
+    plain = prepare_server_args(["--model-path", moe_model, "--device", "cpu"])
+    plain.resolve_once()
+    assert resolved_view(plain).moe_runner_backend == "flashinfer_trtllm", "OEA off: SGLang's choice stands"
+
+
+def test_resolution_refusal_is_one_line_on_the_command_line(moe_model, auto_resolves_to_trtllm, monkeypatch):
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setattr(flags, "FALLBACK_BY_QUANTIZATION", {})
+    server_args = prepare_server_args(["--model-path", moe_model, "--device", "cpu", "--oea-k0", "3"])
+    with pytest.raises(SystemExit) as exc:
+        server_args.resolve_once()
+    assert str(exc.value).startswith("sglang-oea: error: --oea-k0 needs top-k ids, but --moe-runner-backend auto chose "
+                                     "flashinfer_trtllm")
+
+
+def test_speculative_decoding_is_warned_about(moe_model, caplog):
+    with caplog.at_level(logging.WARNING):
+        flags.validate_server(OEAConfig(k0=2), settings(moe_model, speculative_algorithm="EAGLE"), lambda: json.load(open(f"{moe_model}/config.json")))
+    assert "verify passes, which OEA does not route yet" in caplog.text
+
+
+def test_triton_kernel_needs_cuda(moe_model, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    load = lambda: json.load(open(f"{moe_model}/config.json"))  # noqa: E731
+    with pytest.raises(ValueError, match="--oea-kernel triton needs a CUDA device"):
+        flags.validate_server(OEAConfig(k0=2, kernel="triton"), settings(moe_model, device="cpu"), load)
+    with pytest.raises(ValueError, match="--oea-kernel triton needs a CUDA device"):
+        flags.validate_server(OEAConfig(k0=2, kernel="triton"), settings(moe_model), load, cuda_available=lambda: False)
+    flags.validate_server(OEAConfig(k0=2, kernel="triton"), settings(moe_model), load, cuda_available=lambda: True)
 
 
 def test_disabled_config_skips_all_checks(dense_model):
@@ -177,6 +267,7 @@ def test_launch_server_help_lists_the_oea_group():
     (["--oea-k0", "0"], "argument --oea-k0: --oea-k0 must be an integer >= 1, got 0"),
     (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
     (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
+    (["--oea-k0", "3", "--oea-kernel", "triton"], "sglang-oea: error: --oea-kernel triton needs a CUDA device"),
 ])
 def test_cli_refusals_exit_before_loading(moe_model, extra, message):
     proc, _ = run_launcher(["--model-path", moe_model, "--load-format", "dummy", "--device", "cpu", *extra])
@@ -198,6 +289,21 @@ def test_engine_keyword_refusal(moe_model):
 
     with pytest.raises(ValueError, match="--oea-min-batch must be an integer >= 1"):
         sglang.Engine(model_path=moe_model, oea_k0=2, oea_min_batch=0)
+    with pytest.raises(ValueError, match="unknown OEA keyword.*oea_stats; allowed: oea_k0"):
+        sglang.Engine(model_path=moe_model, oea_k0=2, oea_stats=False)
+
+
+@pytest.mark.parametrize("keywords,stats", [({"oea_disable_stats": True}, False), ({}, True), ({"oea_disable_stats": False}, True)])
+def test_engine_keywords_behave_like_the_flags(moe_model, monkeypatch, keywords, stats):
+    """Engine(oea_disable_stats=True) is --oea-disable-stats; no oea_* keyword reaches SGLang."""
+    monkeypatch.setenv(hooks.CONFIG_ENV, "")  # restored after the test: the hook publishes into it
+    seen = {}
+    hooks.engine_init_hook(lambda self, **kw: seen.update(kw), None, model_path=moe_model, oea_k0=2,
+                           oea_kernel="torch", **keywords)
+    assert not [key for key in seen if key.startswith("oea_")]
+    assert hooks.published_config() == OEAConfig(k0=2, stats=stats, kernel="torch")
+    with pytest.raises(ValueError, match="oea_disable_stats\\) must be True or False, got 'yes'"):
+        hooks.engine_init_hook(lambda self, **kw: None, None, model_path=moe_model, oea_k0=2, oea_disable_stats="yes")
 
 
 def _child_reads_config(queue, server_args):

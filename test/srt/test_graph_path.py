@@ -1,135 +1,282 @@
-"""The CUDA-graph routing path, run on the CPU: the batch gate and the real-row count come from a
-persistent device scalar, so one captured computation must serve every real batch size of its
-bucket. Capture itself needs a GPU (benchmark/oea/gpu_check.py); here the same code runs with
-`is_capturing` forced on and the scalar changed between calls, as a replay would."""
+"""The CUDA-graph routing path, run on the CPU as SGLang drives it.
 
-import types
+DecodeCudaGraphRunner captures one graph per bucket, largest first: an outer forward context in
+capture mode, two eager warm-up forwards, then the captured forward; each replay first sets the
+real row count. Capture itself needs a GPU (benchmark/oea/gpu_check.py), so here stream capture is
+forced on (`is_capturing`) for the captured forward, and a replay re-runs the captured Python path
+with the device row scalar changed, as the graph would.
 
+Every test runs in this process with the torch path, and again in a TRITON_INTERPRET=1 child with
+the fused kernel behind the runtime (`test_graph_path_through_the_fused_kernel_in_the_interpreter`).
+The kernel-only tests check that nothing is compiled or allocated inside capture.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
 import pytest
 import torch
 
+from oea_fixtures import NUM_EXPERTS, TOP_K, router_inputs, topk_config
 from sglang_oea import runtime as runtime_module
 from sglang_oea.config import OEAConfig
 from sglang_oea.reference import distinct_experts
+from sglang_oea.routers import GraphCaptureError
 from sglang_oea.routing import RouterSpec, route_from_logits
-from sglang_oea.runtime import OEARuntime
+from sglang_oea.runtime import DECODE, OEARuntime
 
-BUCKET, NUM_EXPERTS, TOP_K = 16, 64, 8
+BUCKET, LAYERS = 16, (0, 3)
+# One TopKConfig per MoE layer kind, as SGLang keeps them for the model's lifetime.
+CONFIG, SHARED_CONFIG = topk_config(), topk_config(1)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+kernel_only = pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter child (fused kernel)")
 
 
-def topk_config(shared=0):
-    return types.SimpleNamespace(
-        top_k=TOP_K + shared, num_shared_topk_slots=shared, allow_routed_experts_capture=True,
-        scoring_func="softmax", correction_bias=None, num_expert_group=None, topk_group=None, use_grouped_topk=False,
-        custom_routing_function=None,
-    )
+class Capture:
+    """Forces `is_capturing` on while `on` is set."""
+
+    def __init__(self, monkeypatch):
+        self.on = False
+        monkeypatch.setattr(runtime_module, "is_capturing", lambda tensor: self.on)
 
 
 @pytest.fixture
-def captured(monkeypatch):
-    monkeypatch.setattr(runtime_module, "is_capturing", lambda tensor: True)
+def capture(monkeypatch):
+    return Capture(monkeypatch)
+
+
+def run_layers(rt, inputs, config):
+    """One forward pass over the MoE layers: {layer: routed (ids, weights) or None}."""
+    return {layer: rt.route(ids, w, config, logits, layer) for layer, (logits, ids, w) in inputs.items()}
+
+
+def capture_bucket(rt, capture, inputs, bucket, config):
+    """As DecodeCudaGraphRunner.capture_one_shape: capture-mode context, two warm-ups, capture."""
+    previous = rt.begin_step(DECODE, bucket, graph=True)
+    try:
+        for _ in range(2):
+            run_layers(rt, inputs, config)
+        capture.on = True
+        return run_layers(rt, inputs, config)
+    finally:
+        capture.on = False
+        rt.end_step()
+        rt.step = previous
+
+
+def replay(rt, capture, inputs, bucket, real_rows, config):
+    """One decode step served by the bucket's graph: the step's forward context, the real rows set
+    before the replay, the captured Python path re-run with them, the bucket noted after."""
+    previous = rt.begin_step(DECODE, real_rows)
+    try:
+        rt.set_replay_rows(real_rows)
+        graph_step = rt.begin_step(DECODE, bucket, graph=True, outermost=False)
+        capture.on = True
+        out = run_layers(rt, inputs, config)
+        capture.on = False
+        rt.step = graph_step
+        rt.note_replay(bucket)
+        rt.end_step()
+        return out
+    finally:
+        capture.on = False
+        rt.step = previous
+
+
+@pytest.fixture
+def captured(capture):
     rt = OEARuntime(OEAConfig(k0=3, min_batch=4, max_batch=12))
-    rt.begin_step(decode=True, num_rows=BUCKET, count=False)
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(BUCKET, NUM_EXPERTS, generator=gen)
-    probs = logits.softmax(1)
-    weights, ids = torch.topk(probs, TOP_K, sorted=False)
-    return rt, logits, ids.int(), weights
+    inputs = {layer: router_inputs(BUCKET, seed=layer) for layer in LAYERS}
+    capture_bucket(rt, capture, inputs, BUCKET, CONFIG)
+    return rt, capture, inputs
 
 
 @pytest.mark.parametrize("real_rows", [12, 9, 4])
 def test_replay_equals_reference_for_each_real_row_count(captured, real_rows):
-    rt, logits, ids, weights = captured
-    rt.graph_rows.fill_(real_rows)
-    got_ids, got_weights = rt.route(ids, weights, topk_config(), logits, 0)
-    want_ids, want_weights = route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, real_rows)
-    assert torch.equal(got_ids.long(), want_ids)
-    torch.testing.assert_close(got_weights, want_weights)
-    union = set(got_ids[:real_rows][got_weights[:real_rows] > 0].tolist())
-    assert set(got_ids[real_rows:].flatten().tolist()) <= union, "padded rows stay inside the union"
-    assert bool((got_weights[real_rows:] == 0).all())
+    rt, capture, inputs = captured
+    out = replay(rt, capture, inputs, BUCKET, real_rows, CONFIG)
+    for layer, (logits, ids, weights) in inputs.items():
+        got_ids, got_weights = out[layer]
+        want_ids, want_weights = route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, real_rows)
+        assert torch.equal(got_ids.long(), want_ids) and got_ids.dtype == ids.dtype
+        torch.testing.assert_close(got_weights, want_weights)
+        union = set(got_ids[:real_rows][got_weights[:real_rows] > 0].tolist())
+        assert set(got_ids[real_rows:].flatten().tolist()) <= union, "padded rows stay inside the union"
+        assert bool((got_weights[real_rows:] == 0).all())
 
 
 @pytest.mark.parametrize("real_rows", [3, 1, 13, 16])
 def test_closed_gate_is_bit_identical_to_the_router(captured, real_rows):
-    rt, logits, ids, weights = captured
-    rt.graph_rows.fill_(real_rows)
-    got_ids, got_weights = rt.route(ids, weights, topk_config(), logits, 0)
-    assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+    rt, capture, inputs = captured
+    out = replay(rt, capture, inputs, BUCKET, real_rows, CONFIG)
+    for layer, (logits, ids, weights) in inputs.items():
+        got_ids, got_weights = out[layer]
+        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
 
 
 def test_stats_count_only_replays_with_an_open_gate(captured):
-    rt, logits, ids, weights = captured
+    rt, capture, inputs = captured
+    rt.stats.drain()  # the warm-ups and the capture ran with the device gate of whatever rows it held
     for rows in (9, 2, 14, 9):
-        rt.graph_rows.fill_(rows)
-        rt.route(ids, weights, topk_config(), logits, 5)
+        replay(rt, capture, inputs, BUCKET, rows, CONFIG)
     layers = rt.stats.drain()
-    assert layers[:, 3].tolist() == [5]
-    steps, before, after = layers[0, :3].tolist()
+    assert layers[:, 3].tolist() == list(LAYERS)
+    logits, ids, _ = inputs[LAYERS[1]]
+    steps, before, after = layers[1, :3].tolist()
     assert steps == 2 and before == 2 * distinct_experts(ids, NUM_EXPERTS, 9).item()
     assert after < before
 
 
-def test_bucket_below_min_batch_is_not_routed(monkeypatch):
-    monkeypatch.setattr(runtime_module, "is_capturing", lambda tensor: True)
+def test_replays_are_counted_by_what_their_capture_did(captured):
+    rt, capture, inputs = captured
+    assert rt.decode_steps == 0 and rt.applied_steps == 0, "warm-up and capture passes are not serving steps"
+    for rows in (9, 2, 14, 4):
+        replay(rt, capture, inputs, BUCKET, rows, CONFIG)
+    assert rt.decode_steps == 4 and rt.applied_steps == 2
+    assert rt.skipped_steps == {"below_min_batch": 1, "above_max_batch": 1}
+
+
+def test_bucket_below_min_batch_is_not_routed(capture):
     rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
-    rt.begin_step(decode=True, num_rows=2, count=False)
-    logits = torch.randn(2, NUM_EXPERTS)
-    weights, ids = torch.topk(logits.softmax(1), TOP_K)
-    assert rt.route(ids.int(), weights, topk_config(), logits, 0) is None
+    inputs = {0: router_inputs(2, seed=0)}
+    out = capture_bucket(rt, capture, inputs, 2, CONFIG)
+    assert out == {0: None}
 
 
-def test_shared_columns_pass_through_under_capture(captured):
-    rt, logits, ids, weights = captured
-    rt.graph_rows.fill_(10)
-    shared_ids = torch.full((BUCKET, 1), NUM_EXPERTS, dtype=ids.dtype)
-    shared_w = torch.full((BUCKET, 1), 0.25)
-    got_ids, got_weights = rt.route(torch.cat([ids, shared_ids], 1), torch.cat([weights, shared_w], 1), topk_config(1), logits, 0)
-    assert torch.equal(got_ids[:, TOP_K:], shared_ids) and torch.equal(got_weights[:, TOP_K:], shared_w)
+def test_shared_columns_pass_through_under_capture(capture):
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
+    inputs = {0: router_inputs(BUCKET, seed=5, shared=1)}
+    capture_bucket(rt, capture, inputs, BUCKET, SHARED_CONFIG)
+    got_ids, got_weights = replay(rt, capture, inputs, BUCKET, 10, SHARED_CONFIG)[0]
+    logits, ids, weights = inputs[0]
+    assert torch.equal(got_ids[:, TOP_K:], ids[:, TOP_K:]) and torch.equal(got_weights[:, TOP_K:], weights[:, TOP_K:])
+    want_ids, _ = route_from_logits(logits, ids[:, :TOP_K], weights[:, :TOP_K], RouterSpec("softmax"), 3, 10)
+    assert torch.equal(got_ids[:, :TOP_K].long(), want_ids)
 
 
-def test_graph_path_through_the_fused_kernel_in_the_interpreter():
-    """The same tests with the Triton kernel (interpreted) behind FusedRouter, in a child process:
-    Triton reads TRITON_INTERPRET once, at import."""
-    import os
-    import subprocess
-    import sys
+def test_eager_steps_count_only_when_ids_were_rewritten(caplog):
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
+    logits, ids, weights = router_inputs(6, seed=1)
+    rt.begin_step(DECODE, 6)
+    assert rt.route(ids, weights, CONFIG, logits, 0) is not None
+    rt.end_step()
+    rt.begin_step(DECODE, 6)  # a decode step in which the hook never saw top-k ids
+    rt.end_step()
+    rt.begin_step(DECODE, 6)
+    rt.end_step()
+    rt.begin_step("verify", 12)
+    rt.end_step()
+    assert rt.applied_steps == 1 and rt.decode_steps == 3
+    assert rt.skipped_steps == {"no_topk_ids": 2, "target_verify": 1}
+    assert caplog.text.count("without the routing hook seeing any top-k ids") == 1
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("already running in the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not through_the_fused_kernel"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "12 passed" in proc.stdout
 
-
-def test_kernel_is_used_under_the_interpreter():
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs in the interpreter child only")
-    calls = []
-    from sglang_oea import kernels
-
-    original = kernels.oea_route
-    rt = OEARuntime(OEAConfig(k0=3, min_batch=2))
-    rt.begin_step(decode=True, num_rows=6)
-    logits = torch.randn(6, NUM_EXPERTS)
-    weights, ids = torch.topk(logits.softmax(1), TOP_K)
-    try:
-        kernels.oea_route = lambda *a, **kw: calls.append(1) or original(*a, **kw)
-        got_ids, _ = rt.route(ids.int(), weights, topk_config(), logits, 0)
-    finally:
-        kernels.oea_route = original
-    assert calls and got_ids.shape == (6, TOP_K)
+def test_speculative_decode_passes_belong_to_the_draft_model():
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4), speculative=True)
+    for mode in (DECODE, DECODE, "verify", "other"):
+        rt.begin_step(mode, 8)
+        rt.end_step()
+    assert rt.decode_steps == 0 and rt.applied_steps == 0
+    assert rt.skipped_steps == {"target_verify": 1, "not_decode": 1}
 
 
 def test_custom_routing_function_is_left_alone(captured, caplog):
-    rt, logits, ids, weights = captured
-    rt.graph_rows.fill_(10)
+    rt, capture, inputs = captured
     config = topk_config()
     config.custom_routing_function = lambda **kw: None
-    assert rt.route(ids, weights, config, logits, 0) is None
-    assert rt.route(ids, weights, config, logits, 1) is None
+    rt.begin_step(DECODE, 9)
+    logits, ids, weights = inputs[0]
+    assert rt.route(ids, weights, config, logits, 7) is None
+    assert rt.route(ids, weights, config, logits, 8) is None
+    rt.end_step()
     assert caplog.text.count("is not supported") == 1
+    assert rt.skipped_steps["router_unsupported"] == 1
+
+
+# ----------------------------------------------------------------------------- fused kernel only
+
+
+@kernel_only
+def test_kernel_is_used_and_nothing_compiles_or_allocates_in_capture(monkeypatch, capture):
+    """max_batch below the bucket: the warm-ups' rows (the bucket) are past the gate, yet they must
+    launch, compile and allocate everything the capture launches."""
+    kernel_module = importlib.import_module("sglang_oea.kernels.oea_route")
+    allocations = []
+    original = kernel_module.OEAWorkspace.allocate.__func__
+    monkeypatch.setattr(kernel_module.OEAWorkspace, "allocate", classmethod(
+        lambda cls, *a, **kw: allocations.append(capture.on) or original(cls, *a, **kw)))
+    launched = {False: set(), True: set()}
+    run = kernel_module.KernelLaunch.run
+    monkeypatch.setattr(kernel_module.KernelLaunch, "run", lambda self: launched[capture.on].add(self.variant()) or run(self))
+
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4, max_batch=8))
+    inputs = {layer: router_inputs(BUCKET, seed=layer) for layer in LAYERS}
+    capture_bucket(rt, capture, inputs, BUCKET, CONFIG)
+    out = replay(rt, capture, inputs, BUCKET, 6, CONFIG)
+    assert rt.routers.status() == {("triton", "passed"): 1}
+    assert launched[True] and launched[True] <= launched[False], "a variant was first launched inside capture"
+    assert True not in allocations, "a workspace was allocated inside capture"
+    logits, ids, weights = inputs[0]
+    want_ids, _ = route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, 6)
+    assert torch.equal(out[0][0].long(), want_ids)
+
+
+@kernel_only
+def test_capture_without_warm_up_is_refused(capture):
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
+    rt.begin_step(DECODE, BUCKET, graph=True)
+    logits, ids, weights = router_inputs(BUCKET, seed=0)
+    capture.on = True
+    with pytest.raises(GraphCaptureError, match="inside CUDA-graph capture"):
+        rt.route(ids, weights, CONFIG, logits, 0)
+
+
+@kernel_only
+def test_unseen_variant_in_capture_is_refused(capture):
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
+    inputs = {0: router_inputs(BUCKET, seed=0)}
+    capture_bucket(rt, capture, inputs, BUCKET, CONFIG)
+    logits, ids, weights = inputs[0]
+    strided = torch.cat([logits, torch.zeros(BUCKET, 3)], dim=1)[:, :NUM_EXPERTS]  # row stride 67: another binary
+    rt.begin_step(DECODE, BUCKET, graph=True)
+    capture.on = True
+    with pytest.raises(GraphCaptureError, match="would be compiled inside CUDA-graph capture"):
+        rt.route(ids, weights, CONFIG, strided, 0)
+
+
+@kernel_only
+def test_workspace_a_graph_uses_is_never_replaced(monkeypatch, capture):
+    """An eager batch larger than the captured workspace gets its own; the graph's stays put."""
+    from sglang_oea.routers import TritonRouter
+
+    monkeypatch.setattr(TritonRouter, "MIN_WORKSPACE_ROWS", BUCKET)  # small, for the interpreter
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
+    inputs = {0: router_inputs(BUCKET, seed=0)}
+    capture_bucket(rt, capture, inputs, BUCKET, CONFIG)
+    router = rt.routers.triton
+    ws = router.workspaces[0]
+    pointers = (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr())
+    big = BUCKET + 7
+    logits, ids, weights = router_inputs(big, seed=9)
+    rt.begin_step(DECODE, big)
+    got_ids, _ = rt.route(ids, weights, CONFIG, logits, 0)
+    rt.end_step()
+    assert router.workspaces[0] is ws and (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr()) == pointers
+    assert router.overflow[0].max_rows >= big
+    assert torch.equal(got_ids.long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, big)[0])
+    out = replay(rt, capture, inputs, BUCKET, 9, CONFIG)  # the graph's workspace still serves
+    logits, ids, weights = inputs[0]
+    assert torch.equal(out[0][0].long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, 9)[0])
+
+
+def test_graph_path_through_the_fused_kernel_in_the_interpreter():
+    """The same tests with the Triton kernel (interpreted) behind the runtime, in a child process:
+    Triton reads TRITON_INTERPRET once, at import."""
+    if INTERPRET:
+        pytest.skip("already running in the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not through_the_fused_kernel"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -11,7 +11,7 @@ here and test_whole_file_in_the_interpreter runs this file in a child process th
 The interpreter costs ~20-40 ms per row, so the grid is sampled: every listed N, K and every
 k0 < K appears in some case. Half of the grid also passes the expert counters (`stats=`) and
 checks them against sglang_oea.reference.distinct_experts and batch_gate. The grid, the inputs and the comparison live in
-benchmark/oea/gpu_check.py, which runs the same grid on a GPU.
+benchmark/oea/gpu_cases.py, which benchmark/oea/gpu_check.py also runs on a GPU.
 """
 
 import importlib
@@ -38,15 +38,15 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _load_gpu_check():
-    """benchmark/oea/gpu_check.py: the sampled grid, the inputs and the comparison."""
-    spec = importlib.util.spec_from_file_location("oea_gpu_check", REPO / "benchmark/oea/gpu_check.py")
+def _load_gpu_cases():
+    """benchmark/oea/gpu_cases.py (the GPU check's case module): the sampled grid, the inputs and the comparison."""
+    spec = importlib.util.spec_from_file_location("oea_gpu_cases", REPO / "benchmark/oea/gpu_cases.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-gpu_check = _load_gpu_check()
+gpu_check = _load_gpu_cases()  # the tests below call it by the GPU check's name
 Case, N_VALUES, K_VALUES, SEED = gpu_check.Case, gpu_check.N_VALUES, gpu_check.K_VALUES, gpu_check.SEED
 CASES = gpu_check.sampled_cases()
 if IN_PROCESS:
@@ -241,6 +241,47 @@ def test_padded_rows_may_hold_minus_one(min_batch):
     assert int(ws.routed.count_nonzero()) == 0 and int(ws.union.count_nonzero()) == 0
 
 
+def _route(case: Case, logits, ids, w, spec, **kwargs):
+    return oea_route(logits, ids, w, k0=case.k0, scoring_func=spec.scoring_func, correction_bias=spec.correction_bias,
+                     num_groups=spec.num_groups, restrict_groups=spec.restrict_groups, min_batch=case.min_batch,
+                     max_batch=case.max_batch, **kwargs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("min_batch", [1, 20])
+def test_shared_expert_columns_pass_through(min_batch):
+    """Fused shared-expert columns after the K routed ones are copied through, gate open or closed,
+    and the routed columns are routed as without them."""
+    case = Case(B=9, N=64, K=8, k0=3, nv=7, min_batch=min_batch, ties="bf16")
+    logits, ids, w, spec = _inputs(case, SEED + 5)
+    shared_ids = torch.tensor([[64, 65]], dtype=ids.dtype, device=DEVICE).expand(9, 2)
+    shared_w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1)).to(device=DEVICE, dtype=w.dtype)
+    full_ids, full_w = torch.cat([ids, shared_ids], 1), torch.cat([w, shared_w], 1)
+    out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=8, num_valid_rows=case.nv)
+    assert out_ids.shape == (9, 10) and torch.equal(out_ids[:, 8:], shared_ids) and torch.equal(out_w[:, 8:], shared_w)
+    if min_batch <= case.nv:
+        _assert_matches_oracle(case, out_ids[:, :8].contiguous(), out_w[:, :8].contiguous(), logits, ids, w, spec)
+    else:
+        assert torch.equal(out_ids, full_ids) and torch.equal(out_w, full_w)
+
+
+@needs_kernel
+def test_int_and_tensor_row_counts_launch_one_variant():
+    """The row count is always read on the device, so eager calls (an int) and CUDA-graph capture
+    (a persistent tensor) need the same compiled kernels."""
+    variants = {}
+    for kind in ("int", "0d", "1d"):
+        case = Case(B=6, N=64, K=8, k0=3, nv=4, nv_kind=kind)
+        logits, ids, w, spec = _inputs(case, SEED)
+        ws = OEAWorkspace.allocate(64, 8, 16, ids.dtype, w.dtype, DEVICE)
+        launched = []
+        out_ids, out_w = _route(case, logits, ids, w, spec, num_valid_rows=gpu_check.num_valid_arg(case, DEVICE),
+                                workspace=ws, before_launch=launched.append)
+        _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+        variants[kind] = [launch.variant() for launch in launched]
+    assert len(variants["int"]) == 2 and variants["int"] == variants["0d"] == variants["1d"]
+
+
 @needs_kernel
 def test_is_available(monkeypatch):
     from sglang_oea.kernels import is_available
@@ -256,16 +297,18 @@ def test_is_available(monkeypatch):
 
 @needs_kernel
 def test_gpu_check_dry_run():
-    """The prepared GPU script's CPU mode: correctness subset + graph-free replay sequence."""
+    """The prepared GPU script's CPU mode: correctness subset, the runtime path's warm-up / capture /
+    replay sequence (is_capturing forced on) and the kernel's graph-free replay sequence."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "python"))
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmark/oea/gpu_check.py"), "--dry-run"],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check 5 (runtime path" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout[-3000:]
     assert "dry run: all checks passed" in proc.stdout
 
 

@@ -118,7 +118,30 @@ def test_grouped_candidates_stay_in_the_rows_groups(topk_module):
 def test_router_untouched_outside_decode_and_below_min_batch(topk_module):
     logits = torch.randn(NUM_ROWS, NUM_EXPERTS, generator=torch.Generator().manual_seed(4))
     config = softmax_config(topk_module, True)
-    hooks._runtime.step.decode = False
+    hooks._runtime.step.mode = "other"
     plain = topk_module.select_experts(torch.zeros(NUM_ROWS, 16), logits, config, layer_id=0)
     gated_ids, gated_weights = run_router(topk_module, logits[:1], config, decode=True, rows=1)
     assert torch.equal(gated_ids, plain.topk_ids[:1]) and torch.equal(gated_weights, plain.topk_weights[:1])
+
+
+def test_a_topk_that_hides_ids_is_counted_and_warned(topk_module, caplog):
+    """A TopK forced to the BYPASSED output format (routing inside the MoE kernel) never hands the
+    hook any ids: its decode steps are skipped as no_topk_ids, with one warning. A STANDARD one
+    in the same runtime is applied."""
+    from sglang.srt.runtime_context import get_context
+
+    rt = hooks._runtime
+    applied, hidden = rt.applied_steps, rt.skipped_steps["no_topk_ids"]
+    logits = torch.randn(NUM_ROWS, NUM_EXPERTS, generator=torch.Generator().manual_seed(6))
+    formats = topk_module.TopKOutputFormat
+    with get_context().override_server_args(device="cpu"):
+        bypassed = topk_module.TopK(TOP_K, layer_id=5, output_format=formats.BYPASSED)
+        standard = topk_module.TopK(TOP_K, layer_id=6, output_format=formats.STANDARD)
+        outputs = []
+        for forward in (bypassed.forward_cuda, bypassed.forward_cuda, standard.forward_native):
+            rt.begin_step(decode=True, num_rows=NUM_ROWS)
+            outputs.append(forward(torch.zeros(NUM_ROWS, 16), logits))
+            rt.end_step()
+    assert [out.format for out in outputs] == [formats.BYPASSED, formats.BYPASSED, formats.STANDARD]
+    assert rt.skipped_steps["no_topk_ids"] == hidden + 2 and rt.applied_steps == applied + 1
+    assert caplog.text.count("without the routing hook seeing any top-k ids") == 1

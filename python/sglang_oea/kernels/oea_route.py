@@ -16,8 +16,15 @@ launch 2 counts U and R, adds gate * (1, |R|, T_after) to stats with integer ato
 with U. T_after = max(|U|, K) if there is a valid row, else 0: the number of distinct experts in
 the output rows of the valid rows (the fill order guarantees it; see `oea_route`). No extra launch.
 
+Shared-expert columns: SGLang appends fused shared-expert columns after the K routed ones
+(`num_routed` < topk_ids.shape[1]); launch 2 copies them through unchanged, so the caller needs no
+torch.cat around the kernel.
+
 Graph safety: no host sync, no shape that depends on tensor values, and with a workspace no
-allocation. The row count and the gate are read on the device from `num_valid_rows`.
+allocation. The row count is always read on the device from a 1-element int32 tensor (the caller's,
+or the workspace's `rows` slot for an int), so eager calls and CUDA-graph capture launch the same
+compiled variant: one eager call compiles and loads everything a capture will launch
+(`kernel_launches` + `launch_variant` let a caller check this before capturing).
 Determinism: no floating-point atomics (the statistics are integer atomics, so their sums do not
 depend on the order either); each row's result depends only on its inputs and on U, so every TP
 rank that sees the same logits produces the same ids and weights.
@@ -25,11 +32,11 @@ rank that sees the same logits produces the same ids and weights.
 Use under CUDA graphs (one workspace per MoE layer, allocated before capture):
 
     ws = OEAWorkspace.allocate(N, K, max_bucket_rows, torch.int32, torch.float32, "cuda")
-    real_rows = torch.zeros(1, dtype=torch.int32, device="cuda")   # persistent, 0-d or [1]
-    # during capture (and eagerly, which also compiles: do one eager call before capturing):
+    real_rows = torch.zeros(1, dtype=torch.int32, device="cuda")   # persistent
+    # eagerly once (compiles and loads), then during capture:
     ids, weights = oea_route(logits, topk_ids, topk_weights, k0=3, scoring_func="softmax",
                              num_valid_rows=real_rows, min_batch=4, max_batch=0, workspace=ws)
-    # before each replay: real_rows.fill_(n)  (or copy_ from the batch's row count)
+    # before each replay: real_rows.fill_(n)
     # optional counters: sums = torch.zeros(L, 3, dtype=torch.int64, device="cuda") before capture,
     # then pass stats=sums[layer]; read sums on the host whenever (one sync), zero it in place.
 
@@ -38,7 +45,7 @@ overwritten by the next call with the same workspace.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import triton
@@ -47,16 +54,6 @@ import triton.language as tl
 # An expert id lives in the low 16 bits of a pick key (see _pick_keys).
 MAX_EXPERTS = 1 << 15
 MAX_TOP_K = 64
-
-
-@triton.jit
-def _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR: tl.constexpr):
-    """num_valid_rows: read on the device (CUDA graphs) or passed by value."""
-    if VALID_FROM_PTR:
-        rows = tl.load(num_valid_ptr).to(tl.int32)
-    else:
-        rows = num_valid
-    return rows
 
 
 @triton.jit
@@ -138,7 +135,13 @@ def _pick_keys(sel, in_union, held, cols, N, valid):
     return tl.where(held | (cols >= N), -1, key)
 
 
-@triton.jit(do_not_specialize=["num_valid", "k0"])
+# Scalars that change between calls of one layer: never specialised, so one compiled variant
+# serves every value (an int equal to 1 would otherwise become a compile-time constant).
+UNION_DO_NOT_SPECIALIZE = ("k0",)
+ROUTE_DO_NOT_SPECIALIZE = ("k0", "min_batch", "max_batch")
+
+
+@triton.jit(do_not_specialize=UNION_DO_NOT_SPECIALIZE)
 def _oea_union_kernel(
     logits_ptr,
     bias_ptr,
@@ -146,14 +149,12 @@ def _oea_union_kernel(
     union_ptr,
     routed_ptr,
     num_valid_ptr,
-    num_valid,
     k0,
     N,
     stride_logits,
     stride_ids,
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    VALID_FROM_PTR: tl.constexpr,
     STATS: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -161,13 +162,14 @@ def _oea_union_kernel(
 ):
     """Launch 1: U[e] = 1 for every expert e in the base of some valid row.
 
-    logits [B, N], topk_ids [B, K] (any column order), bias [N] (sigmoid only), union [N] int32
-    (all zero on entry). Program r handles row r; rows >= num_valid_rows write nothing.
+    logits [B, N], topk_ids [B, >= K] (routed ids first, any column order), bias [N] (sigmoid
+    only), union [N] int32 (all zero on entry), num_valid_ptr [1] int32 (the real row count).
+    Program r handles row r; rows >= num_valid_rows write nothing.
     base_r = the k0 routed ids of row r with the highest selection score (ties: lower id).
     STATS: also R[e] = 1 (routed [N] int32, zero on entry) for every routed id e of a valid row.
     """
     row = tl.program_id(0).to(tl.int64)
-    rows = _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR)
+    rows = tl.load(num_valid_ptr).to(tl.int32)
     cols = tl.arange(0, N_PAD)
     sel, _ = _scores(logits_ptr + row * stride_logits, bias_ptr, cols, N, SIGMOID, HAS_BIAS)
     ids, _, _, is_base = _rank_routed(topk_ids_ptr + row * stride_ids, sel, cols, k0, K, K_PAD)
@@ -179,7 +181,7 @@ def _oea_union_kernel(
         tl.store(routed_ptr + ids, ones, mask=in_range & (row < rows))
 
 
-@triton.jit(do_not_specialize=["num_valid", "k0", "min_batch", "max_batch"])
+@triton.jit(do_not_specialize=ROUTE_DO_NOT_SPECIALIZE)
 def _oea_route_kernel(
     logits_ptr,
     bias_ptr,
@@ -192,7 +194,6 @@ def _oea_route_kernel(
     out_ids_ptr,
     out_weights_ptr,
     num_valid_ptr,
-    num_valid,
     k0,
     N,
     group_size,
@@ -206,17 +207,19 @@ def _oea_route_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RESTRICT_GROUPS: tl.constexpr,
-    VALID_FROM_PTR: tl.constexpr,
     STATS: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
+    EXTRA: tl.constexpr,
+    EXTRA_PAD: tl.constexpr,
     N_PAD: tl.constexpr,
 ):
     """Launch 2: OEA ids and weights of row r = program_id, then clear U after the last row.
 
     Inputs as in launch 1, plus topk_weights [B, K], the union U written by launch 1 and
-    counter [1] int32 (zero on entry). Outputs out_ids [B, K] (topk_ids dtype) and
-    out_weights [B, K] (topk_weights dtype).
+    counter [1] int32 (zero on entry). Outputs out_ids [B, K + EXTRA] (topk_ids dtype) and
+    out_weights [B, K + EXTRA] (topk_weights dtype); columns K.. (fused shared experts) are
+    copied from the inputs.
 
     Valid row (r < num_valid_rows): slots [0, k0) = base ranked; then the best of
     {e in U - base : sel[e] > -inf} by score (ties: lower id), active; then fills inactive.
@@ -229,7 +232,7 @@ def _oea_route_kernel(
     T_after = max(|U|, K) if num_valid_rows >= 1 else 0) and clears R with U.
     """
     row = tl.program_id(0).to(tl.int64)
-    rows = _real_rows(num_valid_ptr, num_valid, VALID_FROM_PTR)
+    rows = tl.load(num_valid_ptr).to(tl.int32)
     gate = (rows >= min_batch) & ((max_batch == 0) | (rows <= max_batch))
     valid = row < rows
     cols = tl.arange(0, N_PAD)
@@ -278,6 +281,14 @@ def _oea_route_kernel(
     out_w = tl.where(gate, new_w.to(own_w.dtype), own_w)
     tl.store(out_ids_ptr + row * stride_out_ids + slots, out_ids, mask=in_k)
     tl.store(out_weights_ptr + row * stride_out_weights + slots, out_w, mask=in_k)
+    if EXTRA > 0:
+        # Fused shared-expert columns pass through, gate open or closed.
+        extra = K + tl.arange(0, EXTRA_PAD)
+        in_extra = extra < K + EXTRA
+        x_ids = tl.load(topk_ids_ptr + row * stride_ids + extra, mask=in_extra)
+        x_w = tl.load(topk_weights_ptr + row * stride_weights + extra, mask=in_extra)
+        tl.store(out_ids_ptr + row * stride_out_ids + extra, x_ids, mask=in_extra)
+        tl.store(out_weights_ptr + row * stride_out_weights + extra, x_w, mask=in_extra)
 
     # Self-cleaning union: the last program to arrive (all others have read U) zeroes it.
     # The barrier orders this program's reads of U before the release of the atomic.
@@ -308,18 +319,22 @@ class OEAWorkspace:
     routed: [N] int32, the routed-experts bitmap of the statistics (`stats=`); all zero between
         calls (launch 2 clears it); untouched by calls without stats.
     counter: [1] int32, zero between calls (launch 2 resets it).
-    out_ids: [max_rows, K] in the router's ids dtype; out_weights: [max_rows, K] in its
-        weights dtype. A call with B rows writes and returns views out_ids[:B], out_weights[:B].
+    rows: [1] int32, where a call given num_valid_rows as an int (or None) writes it.
+    out_ids: [max_rows, C] in the router's ids dtype; out_weights: [max_rows, C] in its weights
+        dtype, C = routed + shared-expert columns. A call with B rows writes and returns views
+        out_ids[:B], out_weights[:B].
 
     Contract: build once per MoE layer (or share between layers of equal shape, if each
-    layer's outputs are consumed before the next call), outside graph capture. Calls that use
-    one workspace must be serialised on one stream. The returned tensors are overwritten by
-    the next call with the same workspace. Call `reset()` if a call was ever interrupted.
+    layer's outputs are consumed before the next call), outside graph capture, and never free
+    or replace one that a captured graph uses. Calls that use one workspace must be serialised
+    on one stream. The returned tensors are overwritten by the next call with the same
+    workspace. Call `reset()` if a call was ever interrupted.
     """
 
     union: torch.Tensor
     routed: torch.Tensor
     counter: torch.Tensor
+    rows: torch.Tensor
     out_ids: torch.Tensor
     out_weights: torch.Tensor
 
@@ -327,19 +342,25 @@ class OEAWorkspace:
     def allocate(
         cls,
         num_experts: int,
-        top_k: int,
+        num_columns: int,
         max_rows: int,
         ids_dtype: torch.dtype = torch.int32,
         weights_dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cuda",
     ) -> "OEAWorkspace":
+        """num_columns: the router's output width, routed plus fused shared-expert columns."""
         return cls(
             union=torch.zeros(num_experts, dtype=torch.int32, device=device),
             routed=torch.zeros(num_experts, dtype=torch.int32, device=device),
             counter=torch.zeros(1, dtype=torch.int32, device=device),
-            out_ids=torch.empty(max_rows, top_k, dtype=ids_dtype, device=device),
-            out_weights=torch.empty(max_rows, top_k, dtype=weights_dtype, device=device),
+            rows=torch.zeros(1, dtype=torch.int32, device=device),
+            out_ids=torch.empty(max_rows, num_columns, dtype=ids_dtype, device=device),
+            out_weights=torch.empty(max_rows, num_columns, dtype=weights_dtype, device=device),
         )
+
+    @property
+    def max_rows(self) -> int:
+        return self.out_ids.shape[0]
 
     def reset(self) -> None:
         """Zero U, R and the counter (only needed if a call was interrupted half-way)."""
@@ -347,22 +368,160 @@ class OEAWorkspace:
         self.routed.zero_()
         self.counter.zero_()
 
-    def check(self, num_rows: int, num_experts: int, top_k: int, ids: torch.Tensor, weights: torch.Tensor):
+    def check(self, num_rows: int, num_experts: int, ids: torch.Tensor, weights: torch.Tensor):
         """Assert that this workspace fits a call (shapes and dtypes only: no device sync)."""
-        assert self.union.shape == (num_experts,) and self.union.dtype == torch.int32, f"{self.union.shape=}"
-        assert self.routed.shape == (num_experts,) and self.routed.dtype == torch.int32, f"{self.routed.shape=}"
-        assert self.routed.device == self.union.device, f"{self.routed.device=}"
-        assert self.counter.shape == (1,) and self.counter.dtype == torch.int32, f"{self.counter.shape=}"
-        assert self.out_ids.shape[0] >= num_rows and self.out_ids.shape[1] == top_k, f"{self.out_ids.shape=}"
+        for name in ("union", "routed"):
+            t = getattr(self, name)
+            assert t.shape == (num_experts,) and t.dtype == torch.int32, f"{name}: {t.shape=} {t.dtype=}"
+        for name in ("counter", "rows"):
+            t = getattr(self, name)
+            assert t.shape == (1,) and t.dtype == torch.int32, f"{name}: {t.shape=} {t.dtype=}"
+        assert self.out_ids.shape[0] >= num_rows and self.out_ids.shape[1] == ids.shape[1], f"{self.out_ids.shape=}"
         assert self.out_weights.shape == self.out_ids.shape, f"{self.out_weights.shape=}"
         assert self.out_ids.dtype == ids.dtype, f"{self.out_ids.dtype=} {ids.dtype=}"
         assert self.out_weights.dtype == weights.dtype, f"{self.out_weights.dtype=} {weights.dtype=}"
-        assert self.union.device == ids.device, f"{self.union.device=} {ids.device=}"
+        for t in (self.routed, self.counter, self.rows, self.out_ids):
+            assert t.device == self.union.device == ids.device, f"{t.device=} {ids.device=}"
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One planned kernel launch: runtime arguments (in the kernel's order), compile-time
+    constants and launch options. `run()` launches it; `variant()` names the compiled binary it
+    needs; tools that compile offline read the same plan."""
+
+    kernel: object
+    args: Tuple[Tuple[str, object], ...]
+    constexprs: Tuple[Tuple[str, object], ...]
+    do_not_specialize: Tuple[str, ...]
+    num_warps: int
+    grid: Tuple[int, ...]
+
+    def run(self):
+        """Launch; returns Triton's compiled kernel (n_regs / n_spills once loaded on a GPU)."""
+        return self.kernel[self.grid](**dict(self.args), **dict(self.constexprs), num_warps=self.num_warps)
+
+    def specialization(self) -> Tuple[Tuple[str, object], ...]:
+        """(type, specialization) per runtime argument, as Triton keys its compile cache: dtype and
+        16-byte alignment of pointers, int width and divisibility by 16 (an int equal to 1 becomes
+        a constant) unless the argument is never specialised."""
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        return tuple(
+            native_specialize_impl(BaseBackend, value, False, name not in self.do_not_specialize, True)
+            for name, value in self.args
+        )
+
+    def variant(self) -> tuple:
+        """A hashable name of the compiled binary this launch needs (equal names, one binary)."""
+        return (self.kernel.fn.__name__, self.specialization(), self.constexprs, self.num_warps)
 
 
 def _num_warps(n_pad: int, k_pad: int) -> int:
     """Warps per program: the [K_PAD, N_PAD] tiles dominate; ~64 elements per thread."""
     return max(1, min(8, (n_pad * k_pad) // 2048))
+
+
+def kernel_launches(
+    router_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    k0: int,
+    num_valid_rows: torch.Tensor,
+    workspace: OEAWorkspace,
+    num_routed: Optional[int] = None,
+    scoring_func: str = "softmax",
+    correction_bias: Optional[torch.Tensor] = None,
+    num_groups: int = 1,
+    restrict_groups: bool = False,
+    min_batch: int = 1,
+    max_batch: int = 0,
+    stats: Optional[torch.Tensor] = None,
+) -> Tuple[KernelLaunch, KernelLaunch]:
+    """The two launches of one `oea_route` call (arguments as there, already checked), unlaunched."""
+    num_rows, num_experts = router_logits.shape
+    top_k = topk_ids.shape[1] if num_routed is None else num_routed
+    extra = topk_ids.shape[1] - top_k
+    out_ids, out_weights = workspace.out_ids[:num_rows], workspace.out_weights[:num_rows]
+    sigmoid = scoring_func == "sigmoid"
+    has_bias = sigmoid and correction_bias is not None
+    bias = correction_bias if has_bias else router_logits  # placeholder pointer without bias
+    restrict = bool(restrict_groups) and num_groups > 1
+    n_pad, k_pad = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
+    num_warps = _num_warps(n_pad, k_pad)
+    shared = dict(SIGMOID=sigmoid, HAS_BIAS=has_bias, STATS=stats is not None, K=top_k, K_PAD=k_pad, N_PAD=n_pad)
+    union = KernelLaunch(
+        _oea_union_kernel,
+        args=(
+            ("logits_ptr", router_logits), ("bias_ptr", bias), ("topk_ids_ptr", topk_ids),
+            ("union_ptr", workspace.union), ("routed_ptr", workspace.routed), ("num_valid_ptr", num_valid_rows),
+            ("k0", k0), ("N", num_experts), ("stride_logits", router_logits.stride(0)),
+            ("stride_ids", topk_ids.stride(0)),
+        ),
+        constexprs=tuple(shared.items()),
+        do_not_specialize=UNION_DO_NOT_SPECIALIZE,
+        num_warps=num_warps,
+        grid=(num_rows,),
+    )
+    route = KernelLaunch(
+        _oea_route_kernel,
+        args=(
+            ("logits_ptr", router_logits), ("bias_ptr", bias), ("topk_ids_ptr", topk_ids),
+            ("topk_weights_ptr", topk_weights), ("union_ptr", workspace.union), ("routed_ptr", workspace.routed),
+            ("counter_ptr", workspace.counter),
+            ("stats_ptr", workspace.counter if stats is None else stats),  # placeholder pointer without stats
+            ("out_ids_ptr", out_ids), ("out_weights_ptr", out_weights), ("num_valid_ptr", num_valid_rows),
+            ("k0", k0), ("N", num_experts), ("group_size", num_experts // num_groups if restrict else num_experts),
+            ("min_batch", min_batch), ("max_batch", max_batch), ("stride_logits", router_logits.stride(0)),
+            ("stride_ids", topk_ids.stride(0)), ("stride_weights", topk_weights.stride(0)),
+            ("stride_out_ids", out_ids.stride(0)), ("stride_out_weights", out_weights.stride(0)),
+        ),
+        constexprs=tuple(shared.items()) + (
+            ("RESTRICT_GROUPS", restrict), ("EXTRA", extra), ("EXTRA_PAD", triton.next_power_of_2(max(extra, 1))),
+        ),
+        do_not_specialize=ROUTE_DO_NOT_SPECIALIZE,
+        num_warps=num_warps,
+        grid=(num_rows,),
+    )
+    return union, route
+
+
+def check_arguments(router_logits, topk_ids, topk_weights, k0, num_routed, scoring_func, correction_bias,
+                    num_groups, restrict_groups, stats) -> None:
+    """Assert that one `oea_route` call is well formed (shapes, dtypes, devices: no device sync)."""
+    assert router_logits.dim() == 2 and topk_ids.dim() == 2, f"{router_logits.shape=} {topk_ids.shape=}"
+    assert topk_weights.shape == topk_ids.shape, f"{topk_weights.shape=} {topk_ids.shape=}"
+    num_rows, num_experts = router_logits.shape
+    top_k = topk_ids.shape[1] if num_routed is None else num_routed
+    assert topk_ids.shape[0] == num_rows, f"{router_logits.shape=} {topk_ids.shape=}"
+    assert k0 >= 1, f"{k0=}"
+    assert 1 <= top_k <= min(num_experts, MAX_TOP_K) and top_k <= topk_ids.shape[1], f"{top_k=} {num_experts=}"
+    assert num_experts <= MAX_EXPERTS, f"{num_experts=}"
+    assert scoring_func in ("softmax", "sigmoid"), f"{scoring_func=}"
+    assert not (restrict_groups and num_experts % num_groups), f"{num_experts=} {num_groups=}"
+    for t in (router_logits, topk_ids, topk_weights):
+        assert t.stride(-1) == 1 or t.shape[-1] == 1, f"last dim must be contiguous: {t.stride()=}"
+    if stats is not None:
+        assert stats.dtype == torch.int64 and stats.numel() == 3 and stats.is_contiguous(), (
+            f"stats must be a contiguous int64 tensor of 3 elements: {stats.dtype=} {stats.shape=}"
+        )
+        assert stats.device == router_logits.device, f"{stats.device=} {router_logits.device=}"
+    if scoring_func == "sigmoid" and correction_bias is not None:
+        assert correction_bias.shape == (num_experts,) and correction_bias.is_contiguous(), f"{correction_bias.shape=}"
+        assert correction_bias.device == router_logits.device, f"{correction_bias.device=}"
+
+
+def device_row_count(num_valid_rows: Optional[Union[int, torch.Tensor]], num_rows: int,
+                     workspace: OEAWorkspace) -> torch.Tensor:
+    """The 1-element int32 device tensor the kernels read the real row count from."""
+    if isinstance(num_valid_rows, torch.Tensor):
+        assert num_valid_rows.numel() == 1 and num_valid_rows.dtype == torch.int32, f"{num_valid_rows=}"
+        assert num_valid_rows.device == workspace.union.device, f"{num_valid_rows.device=}"
+        return num_valid_rows
+    workspace.rows.fill_(num_rows if num_valid_rows is None else int(num_valid_rows))
+    return workspace.rows
 
 
 def oea_route(
@@ -371,6 +530,7 @@ def oea_route(
     topk_weights: torch.Tensor,
     *,
     k0: int,
+    num_routed: Optional[int] = None,
     scoring_func: str = "softmax",
     correction_bias: Optional[torch.Tensor] = None,
     num_groups: int = 1,
@@ -380,19 +540,22 @@ def oea_route(
     max_batch: int = 0,
     workspace: Optional[OEAWorkspace] = None,
     stats: Optional[torch.Tensor] = None,
+    before_launch: Optional[Callable[[KernelLaunch], None]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gated OEA routing from logits; same result as sglang_oea.routing.route_from_logits.
 
     Args:
         router_logits: [B, N] float logits (any float dtype, last dim contiguous).
-        topk_ids: [B, K] int32/int64 routed ids, any column order, distinct per row.
-        topk_weights: [B, K] float router weights for topk_ids.
+        topk_ids: [B, C] int32/int64: K routed ids (any column order, distinct per row), then
+            C - K fused shared-expert ids, which are copied through.
+        topk_weights: [B, C] float router weights for topk_ids.
         k0: base size >= 1. k0 >= K returns (topk_ids, topk_weights) themselves.
+        num_routed: K, the routed columns (default C: no shared-expert columns).
         scoring_func: "softmax" or "sigmoid"; correction_bias [N] (sigmoid, selection only).
         num_groups, restrict_groups: as RouterSpec; candidates limited to touched groups.
-        num_valid_rows: rows past this count are padding. A 0-d or [1] int tensor on the
+        num_valid_rows: rows past this count are padding. A 1-element int32 tensor on the
             logits' device (read on the device: use this under CUDA graphs), an int, or None
-            (all B rows are real).
+            (all B rows are real); an int is written to workspace.rows first (one fill).
         min_batch, max_batch: OEA applies iff min_batch <= rows and (max_batch == 0 or
             rows <= max_batch); otherwise the outputs equal the inputs bit for bit.
         workspace: preallocated buffers; None allocates them (not allowed under capture).
@@ -400,119 +563,39 @@ def oea_route(
             row sums[layer] of a persistent [L, 3] buffer). The call adds, on the device and
             with integer atomics (no host sync, no extra launch, graph-safe):
               stats[0] += gate                  (OEA applied to this call: 1, else 0)
-              stats[1] += gate * T_before       (distinct experts among topk_ids[:rows])
-              stats[2] += gate * T_after        (distinct experts among ids[:rows])
+              stats[1] += gate * T_before       (distinct experts among topk_ids[:rows, :K])
+              stats[2] += gate * T_after        (distinct experts among ids[:rows, :K])
             where rows = min(num_valid_rows, B) and gate is the min/max-batch gate above.
             T_before is the router's own union, counted from a bitmap of the routed ids.
             T_after is max(|U|, K) when rows >= 1 (U = union of the bases), else 0: OEA
             completes every valid row from one shared fill order, so this is exactly the
             number of distinct output experts (tested against reference.distinct_experts).
             Nothing is added when k0 >= K or B == 0: those calls launch no kernel.
+        before_launch: called with each KernelLaunch just before it runs (e.g. to record the
+            compiled variants before graph capture, or to refuse an unseen one during it).
     Returns:
-        ids [B, K] (topk_ids dtype) and weights [B, K] (topk_weights dtype).
+        ids [B, C] (topk_ids dtype) and weights [B, C] (topk_weights dtype).
     """
-    assert router_logits.dim() == 2 and topk_ids.dim() == 2, f"{router_logits.shape=} {topk_ids.shape=}"
-    assert topk_weights.shape == topk_ids.shape, f"{topk_weights.shape=} {topk_ids.shape=}"
+    check_arguments(router_logits, topk_ids, topk_weights, k0, num_routed, scoring_func, correction_bias,
+                    num_groups, restrict_groups, stats)
     num_rows, num_experts = router_logits.shape
-    top_k = topk_ids.shape[1]
-    assert topk_ids.shape[0] == num_rows, f"{router_logits.shape=} {topk_ids.shape=}"
-    assert k0 >= 1, f"{k0=}"
-    assert 1 <= top_k <= min(num_experts, MAX_TOP_K), f"{top_k=} {num_experts=}"
-    assert num_experts <= MAX_EXPERTS, f"{num_experts=}"
-    assert scoring_func in ("softmax", "sigmoid"), f"{scoring_func=}"
-    assert not (restrict_groups and num_experts % num_groups), f"{num_experts=} {num_groups=}"
-    for t in (router_logits, topk_ids, topk_weights):
-        assert t.stride(-1) == 1 or t.shape[-1] == 1, f"last dim must be contiguous: {t.stride()=}"
-    if k0 >= top_k:
+    if k0 >= (topk_ids.shape[1] if num_routed is None else num_routed):
         return topk_ids, topk_weights
-
-    if stats is not None:
-        assert stats.dtype == torch.int64 and stats.numel() == 3 and stats.is_contiguous(), (
-            f"stats must be a contiguous int64 tensor of 3 elements: {stats.dtype=} {stats.shape=}"
-        )
-        assert stats.device == router_logits.device, f"{stats.device=} {router_logits.device=}"
     if workspace is None:
         workspace = OEAWorkspace.allocate(
-            num_experts, top_k, num_rows, topk_ids.dtype, topk_weights.dtype, router_logits.device
+            num_experts, topk_ids.shape[1], num_rows, topk_ids.dtype, topk_weights.dtype, router_logits.device
         )
-    workspace.check(num_rows, num_experts, top_k, topk_ids, topk_weights)
-    out_ids = workspace.out_ids[:num_rows]
-    out_weights = workspace.out_weights[:num_rows]
+    workspace.check(num_rows, num_experts, topk_ids, topk_weights)
     if num_rows == 0:
-        return out_ids, out_weights
-
-    valid_from_ptr = isinstance(num_valid_rows, torch.Tensor)
-    if valid_from_ptr:
-        assert num_valid_rows.numel() == 1 and not num_valid_rows.is_floating_point(), f"{num_valid_rows=}"
-        assert num_valid_rows.device == router_logits.device, f"{num_valid_rows.device=}"
-        num_valid_ptr, num_valid = num_valid_rows, 0
-    else:
-        num_valid_ptr = workspace.counter  # unused placeholder pointer
-        num_valid = num_rows if num_valid_rows is None else int(num_valid_rows)
-    sigmoid = scoring_func == "sigmoid"
-    has_bias = sigmoid and correction_bias is not None
-    if has_bias:
-        assert correction_bias.shape == (num_experts,) and correction_bias.is_contiguous(), f"{correction_bias.shape=}"
-        assert correction_bias.device == router_logits.device, f"{correction_bias.device=}"
-    bias = correction_bias if has_bias else router_logits
-    restrict = bool(restrict_groups) and num_groups > 1
-    n_pad = triton.next_power_of_2(num_experts)
-    k_pad = triton.next_power_of_2(top_k)
-    num_warps = _num_warps(n_pad, k_pad)
-    grid = (num_rows,)
-
-    _oea_union_kernel[grid](
-        router_logits,
-        bias,
-        topk_ids,
-        workspace.union,
-        workspace.routed,
-        num_valid_ptr,
-        num_valid,
-        k0,
-        num_experts,
-        router_logits.stride(0),
-        topk_ids.stride(0),
-        SIGMOID=sigmoid,
-        HAS_BIAS=has_bias,
-        VALID_FROM_PTR=valid_from_ptr,
-        STATS=stats is not None,
-        K=top_k,
-        K_PAD=k_pad,
-        N_PAD=n_pad,
-        num_warps=num_warps,
+        return workspace.out_ids[:0], workspace.out_weights[:0]
+    rows = device_row_count(num_valid_rows, num_rows, workspace)
+    launches = kernel_launches(
+        router_logits, topk_ids, topk_weights, k0=k0, num_valid_rows=rows, workspace=workspace,
+        num_routed=num_routed, scoring_func=scoring_func, correction_bias=correction_bias, num_groups=num_groups,
+        restrict_groups=restrict_groups, min_batch=min_batch, max_batch=max_batch, stats=stats,
     )
-    _oea_route_kernel[grid](
-        router_logits,
-        bias,
-        topk_ids,
-        topk_weights,
-        workspace.union,
-        workspace.routed,
-        workspace.counter,
-        workspace.counter if stats is None else stats,  # placeholder pointer without stats
-        out_ids,
-        out_weights,
-        num_valid_ptr,
-        num_valid,
-        k0,
-        num_experts,
-        num_experts // num_groups if restrict else num_experts,
-        min_batch,
-        max_batch,
-        router_logits.stride(0),
-        topk_ids.stride(0),
-        topk_weights.stride(0),
-        out_ids.stride(0),
-        out_weights.stride(0),
-        SIGMOID=sigmoid,
-        HAS_BIAS=has_bias,
-        RESTRICT_GROUPS=restrict,
-        VALID_FROM_PTR=valid_from_ptr,
-        STATS=stats is not None,
-        K=top_k,
-        K_PAD=k_pad,
-        N_PAD=n_pad,
-        num_warps=num_warps,
-    )
-    return out_ids, out_weights
+    for launch in launches:
+        if before_launch is not None:
+            before_launch(launch)
+        launch.run()
+    return workspace.out_ids[:num_rows], workspace.out_weights[:num_rows]

@@ -1,0 +1,124 @@
+"""Startup self-check of the fused kernel against the torch routing path. No SGLang import.
+
+Each rank runs it once per routing shape, the first time it routes on CUDA and before any graph
+capture: random router inputs with this model's exact N, K, shared-expert columns, scoring
+(softmax, or sigmoid with this layer's correction bias and group restriction) and dtypes, at a
+few batch sizes, one of them with padded rows. It passes when the kernel's ids equal the torch
+path's exactly and its weights agree within WEIGHT_TOLERANCE (and, with counting on, its
+distinct-expert counters equal reference.distinct_experts).
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from sglang_oea.reference import batch_gate, distinct_experts
+from sglang_oea.routing import RouterSpec, route_from_logits, score_experts
+
+# (rows, real rows) per trial: a single row, padded rows, a full batch.
+TRIALS = ((1, 1), (9, 6), (32, 32))
+# The kernel and the torch path compute the same float32 scores in a different order of
+# operations (fused exp/sum); bf16 weights round the result once more.
+WEIGHT_TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
+DEFAULT_TOLERANCE = dict(rtol=1e-3, atol=1e-5)
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """Everything about a routing call that selects a compiled kernel variant.
+
+    num_experts: N; num_routed: K; num_columns: K + fused shared-expert columns.
+    """
+
+    num_experts: int
+    num_routed: int
+    num_columns: int
+    spec_key: Tuple
+    logits_dtype: torch.dtype
+    ids_dtype: torch.dtype
+    weights_dtype: torch.dtype
+    stats: bool
+
+    def describe(self) -> str:
+        scoring, has_bias, groups, restrict = self.spec_key
+        extra = f" +{self.num_columns - self.num_routed} shared" if self.num_columns > self.num_routed else ""
+        grouped = f" groups {groups}" + (" restricted" if restrict else "") if groups > 1 else ""
+        return (
+            f"N={self.num_experts} K={self.num_routed}{extra} {scoring}{'+bias' if has_bias else ''}{grouped} "
+            f"logits {str(self.logits_dtype).split('.')[-1]} ids {str(self.ids_dtype).split('.')[-1]} "
+            f"weights {str(self.weights_dtype).split('.')[-1]}"
+        )
+
+
+def spec_key(spec: RouterSpec) -> Tuple:
+    return (spec.scoring_func, spec.correction_bias is not None, spec.num_groups, spec.restrict_groups)
+
+
+def trial_inputs(shape: RoutingShape, spec: RouterSpec, rows: int, gen: torch.Generator, device):
+    """Random logits [rows, N] and the router's own top-K of them, columns shuffled, plus fused
+    shared-expert columns (ids N.., random weights): what SGLang hands the routing hook."""
+    n, k, c = shape.num_experts, shape.num_routed, shape.num_columns
+    logits = (torch.randn(rows, n, generator=gen) * 2).to(device=device, dtype=shape.logits_dtype)
+    selection, weight = score_experts(logits, spec)
+    ids = selection.topk(k, dim=1).indices
+    ids = ids.gather(1, torch.rand(rows, k, generator=gen).argsort(dim=1).to(device))
+    w = weight.gather(1, ids)
+    w = w / w.sum(dim=1, keepdim=True)
+    shared_ids = torch.arange(n, n + c - k, device=device).expand(rows, c - k)
+    shared_w = torch.rand(rows, c - k, generator=gen).to(device)
+    ids = torch.cat([ids, shared_ids], dim=1).to(shape.ids_dtype)
+    w = torch.cat([w, shared_w], dim=1).to(shape.weights_dtype)
+    return logits, ids.contiguous(), w.contiguous()
+
+
+def compare_trial(shape: RoutingShape, spec: RouterSpec, k0: int, rows: int, real: int, logits, ids, w,
+                  got_ids, got_w, stats: Optional[torch.Tensor]) -> Optional[str]:
+    """None when the kernel's output of one trial matches the torch path, else what differed."""
+    k = shape.num_routed
+    want_ids, want_w = route_from_logits(logits, ids[:, :k], w[:, :k], spec, k0, real)
+    got_ids, got_w = got_ids.cpu(), got_w.cpu()
+    want_ids, want_w, ids, w = want_ids.cpu(), want_w.cpu(), ids.cpu(), w.cpu()
+    where = f"B={rows} ({real} real)"
+    if got_ids.dtype != ids.dtype or got_w.dtype != w.dtype:
+        return f"{where}: output dtypes {got_ids.dtype}/{got_w.dtype}, expected {ids.dtype}/{w.dtype}"
+    bad = (got_ids[:, :k].long() != want_ids).any(dim=1)
+    if bool(bad.any()):
+        r = int(bad.int().argmax())
+        return (f"{where}: ids differ in {int(bad.sum())} rows; row {r}: kernel {got_ids[r, :k].tolist()} "
+                f"torch {want_ids[r].tolist()}")
+    if not (torch.equal(got_ids[:, k:], ids[:, k:]) and torch.equal(got_w[:, k:], w[:, k:])):
+        return f"{where}: shared-expert columns were not passed through"
+    tol = WEIGHT_TOLERANCE.get(w.dtype, DEFAULT_TOLERANCE)
+    if not torch.allclose(got_w[:, :k].float(), want_w.float(), **tol):
+        diff = (got_w[:, :k].float() - want_w.float()).abs().max().item()
+        return f"{where}: weights differ by up to {diff:.3g} (tolerance rtol={tol['rtol']}, atol={tol['atol']})"
+    if stats is not None:
+        want = [1, int(distinct_experts(ids[:, :k], shape.num_experts, real)),
+                int(distinct_experts(want_ids, shape.num_experts, real))] if bool(batch_gate(real, 1, 0)) else [0, 0, 0]
+        if stats.cpu().tolist() != want:
+            return f"{where}: expert counters {stats.cpu().tolist()}, expected {want}"
+    return None
+
+
+def run_self_check(kernel_route, shape: RoutingShape, spec: RouterSpec, k0: int, device,
+                   trials: Sequence[Tuple[int, int]] = TRIALS, seed: int = 0) -> Optional[str]:
+    """None when every trial passes, else one line saying what differed (or what raised).
+
+    Args:
+        kernel_route: `kernel_route(logits, ids, weights, rows_tensor, stats) -> (ids, weights)`,
+            the fused kernel exactly as the runtime launches it (1-element int32 row count).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for rows, real in trials:
+        logits, ids, w = trial_inputs(shape, spec, rows, gen, device)
+        stats = torch.zeros(3, dtype=torch.int64, device=device) if shape.stats else None
+        try:
+            real_rows = torch.full((1,), real, dtype=torch.int32, device=device)
+            got_ids, got_w = kernel_route(logits, ids, w, real_rows, stats)
+            error = compare_trial(shape, spec, k0, rows, real, logits, ids, w, got_ids, got_w, stats)
+        except Exception as exc:  # a compile or launch failure is a failed self-check, reported
+            error = f"B={rows} ({real} real): {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if error is not None:
+            return error
+    return None
