@@ -55,11 +55,11 @@ class TorchRouter:
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
                  rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None):
         """(ids [B, C], weights [B, C], counted): counted is False (the runtime counts)."""
-        new_ids, new_weights = route_from_logits(
-            logits, ids[:, :num_routed], weights[:, :num_routed], spec, k0, rows, min_batch, max_batch
-        )
-        new_ids = new_ids.to(ids.dtype)
-        if num_routed == ids.shape[1]:
+        shared = num_routed < ids.shape[1]
+        routed_ids, routed_weights = (ids[:, :num_routed], weights[:, :num_routed]) if shared else (ids, weights)
+        new_ids, new_weights = route_from_logits(logits, routed_ids, routed_weights, spec, k0, rows, min_batch, max_batch)
+        new_ids = new_ids.to(ids.dtype)  # SGLang's MoE runners take the router's id dtype (int32)
+        if not shared:
             return new_ids, new_weights, False
         return (torch.cat([new_ids, ids[:, num_routed:]], dim=1),
                 torch.cat([new_weights, weights[:, num_routed:]], dim=1), False)

@@ -270,6 +270,49 @@ def test_workspace_a_graph_uses_is_never_replaced(monkeypatch, capture):
     assert torch.equal(out[0][0].long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, 9)[0])
 
 
+@kernel_only
+@pytest.mark.parametrize("config,shared", [(CONFIG, 0), (SHARED_CONFIG, 1)])
+def test_two_launches_per_layer_and_no_glue(monkeypatch, config, shared):
+    """On the kernel path a layer costs its two kernel launches and nothing else: no id cast, no
+    torch.cat for shared-expert columns. An eager step writes the device row count once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    launches, glue, in_kernel = [], [], [False]
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        launches.append(1)
+        in_kernel[0] = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            in_kernel[0] = False
+
+    class Glue(TorchDispatchMode):
+        views = {"slice", "view", "alias", "detach", "as_strided", "select", "expand", "_unsafe_view"}
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            if not in_kernel[0] and func.overloadpacket.__name__ not in self.views:
+                glue.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2))
+    logits, ids, weights = router_inputs(12, seed=2, shared=shared)
+    for step in range(2):  # the first step runs the self-check and allocates the workspaces
+        rt.begin_step(DECODE, 12)
+        if step:
+            monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+            with Glue():
+                outs = [rt.route(ids, weights, config, logits, layer) for layer in LAYERS]
+        else:
+            outs = [rt.route(ids, weights, config, logits, layer) for layer in LAYERS]
+        rt.end_step()
+    assert all(out is not None and out[0].dtype == ids.dtype and out[0].shape == ids.shape for out in outs)
+    assert len(launches) == 2 * len(LAYERS)
+    assert glue == ["fill_"], glue
+
+
 def test_graph_path_through_the_fused_kernel_in_the_interpreter():
     """The same tests with the Triton kernel (interpreted) behind the runtime, in a child process:
     Triton reads TRITON_INTERPRET once, at import."""
