@@ -130,7 +130,7 @@ def fallback_backend(resolved: str, quantization: Optional[str]) -> Optional[str
     )
 
 
-def check_serving_mode(cfg: OEAConfig, get: Callable[[str, Any], Any]) -> None:
+def check_serving_mode(get: Callable[[str, Any], Any]) -> None:
     """Refuse serving modes OEA cannot honour; warn once about the ones it leaves alone."""
     if get("enable_deterministic_inference", False):
         raise ValueError(
@@ -199,7 +199,7 @@ def validate_server(
         return None
     check_parallelism(get)
     check_backend(get("moe_runner_backend", "auto"))
-    check_serving_mode(cfg, get)
+    check_serving_mode(get)
     check_kernel(cfg, get, cuda_available or _cuda_available)
     shape = read_moe_shape(load_hf_config())
     check_model(shape, get("model_path", "?"), cfg)

@@ -6,7 +6,7 @@ the fused kernel with one workspace per MoE layer; it keeps the promises CUDA-gr
   - every variant a capture launches was launched before, outside capture (else GraphCaptureError);
   - a workspace is allocated outside capture, sized at the layer's first call, and never freed or
     replaced (captured graphs point at it); larger eager batches get a separate overflow workspace.
-choose_router() applies --oea-kernel: auto runs the startup self-check and falls back to torch on
+RouterChoice applies --oea-kernel: auto runs the startup self-check and falls back to torch on
 any failure; triton refuses to start instead; torch never touches the kernel.
 """
 
@@ -71,8 +71,7 @@ class TritonRouter:
     name = "triton"
     MIN_WORKSPACE_ROWS = 1024
 
-    def __init__(self, k0: int):
-        self.k0 = k0
+    def __init__(self):
         self.workspaces: Dict[int, object] = {}  # layer slot -> workspace, fixed once made
         self.overflow: Dict[int, object] = {}  # layer slot -> eager-only workspace for larger batches
         self.prepared: Set[tuple] = set()  # kernel variants launched by graph warm-ups
@@ -136,7 +135,7 @@ class RouterChoice:
     def __init__(self, kernel: str, k0: int, rank: int = 0):
         self.kernel, self.k0, self.rank = kernel, k0, rank
         self.torch = TorchRouter()
-        self.triton = TritonRouter(k0)
+        self.triton = TritonRouter()
         self.decisions: Dict[RoutingShape, Tuple[str, str]] = {}  # shape -> (router name, self-check)
         self.by_slot: Dict[int, object] = {}  # layer slot -> router, once decided
 

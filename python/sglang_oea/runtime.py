@@ -223,10 +223,6 @@ class OEARuntime:
     def stats(self) -> Optional["ExpertStats"]:
         return None if self.device is None else self.device.stats
 
-    @property
-    def graph_rows(self) -> Optional[torch.Tensor]:
-        return None if self.device is None else self.device.rows
-
     def skip_reason(self, mode: str, num_rows: int) -> Optional[str]:
         """Why the host gate keeps OEA off this pass, or None when it may apply."""
         if mode == VERIFY:

@@ -118,7 +118,8 @@ def run_self_check(kernel_route, shape: RoutingShape, spec: RouterSpec, k0: int,
             got_ids, got_w = kernel_route(logits, ids, w, real_rows, stats)
             error = compare_trial(shape, spec, k0, rows, real, logits, ids, w, got_ids, got_w, stats)
         except Exception as exc:  # a compile or launch failure is a failed self-check, reported
-            error = f"B={rows} ({real} real): {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            error = f"B={rows} ({real} real): {type(exc).__name__}: {first_line}"
         if error is not None:
             return error
     return None
