@@ -6,6 +6,8 @@ The CPU path is the one `sglang_oea.cpu_serve` runs: `OEARuntime.route`, the pur
   - plain: softmax + torch.topk, what the router itself does;
   - oea: OEARuntime.route with counting off (--oea-disable-stats);
   - oea+stats: OEARuntime.route with counting on (the default);
+  - oea+stats+check: as oea+stats, plus the per-layer checksum of --oea-check-ranks (as on a rank
+    of a TP=2 server; the comparison itself, once every N steps, is timed by rank_check_cost.py);
   - route_from_logits: sglang_oea.routing.route_from_logits alone (no runtime around it).
 It prints the median over repeats with the min-max, the ratio to plain, and the torch ops that one
 oea call dispatches (`torch_ops`: the rule of test/srt/test_lean_routing.py).
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 
 from sglang_oea.routing import RouterSpec, route_from_logits, softmax_rows  # noqa: E402
 
-VARIANTS = ("plain", "oea", "oea+stats", "route_from_logits")
+VARIANTS = ("plain", "oea", "oea+stats", "oea+stats+check", "route_from_logits")
 
 
 def topk_config(top_k: int) -> types.SimpleNamespace:
@@ -78,8 +80,8 @@ def callables(batch: int, num_experts: int, top_k: int, k0: int, seed: int) -> D
         "plain": lambda: torch.topk(softmax_rows(logits.float()), top_k, sorted=False),
         "route_from_logits": lambda: route_from_logits(logits, ids, weights, RouterSpec("softmax"), k0, batch),
     }
-    for name, stats in (("oea", False), ("oea+stats", True)):
-        rt = OEARuntime(OEAConfig(k0=k0, min_batch=1, stats=stats))
+    for name, stats, check in (("oea", False, 0), ("oea+stats", True, 0), ("oea+stats+check", True, 1)):
+        rt = OEARuntime(OEAConfig(k0=k0, min_batch=1, stats=stats, check_ranks=check), world_size=2)
         rt.begin_step(decode=True, num_rows=batch)
         fns[name] = lambda rt=rt: rt.route(ids, weights, cfg, logits, 0)
         if fns[name]() is None:  # route() returns None when it leaves the router's choice alone

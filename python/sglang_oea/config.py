@@ -21,7 +21,7 @@ KERNEL_CHOICES = ("auto", "triton", "torch")
 # The keywords of sglang.Engine(...), named like the flags' argparse destinations.
 ENGINE_KEYWORDS = (
     "oea_k0", "oea_min_batch", "oea_max_batch", "oea_disable_stats", "oea_kernel",
-    "oea_dump_router_logits", "oea_dump_steps",
+    "oea_dump_router_logits", "oea_dump_steps", "oea_check_ranks",
 )
 
 
@@ -37,6 +37,8 @@ class OEAConfig:
         the torch path), "triton" (the kernel, or refuse to start), "torch" (always torch).
     dump_router_logits: directory to record decode router logits into (None = off).
     dump_steps: how many decode steps to record (bounded).
+    check_ranks: every this many decode steps, tensor-parallel ranks compare checksums of the
+        experts OEA chose and stop the server if they differ; 0 = off.
     """
 
     k0: Optional[int] = None
@@ -46,16 +48,23 @@ class OEAConfig:
     kernel: str = "auto"
     dump_router_logits: Optional[str] = None
     dump_steps: int = 32
+    check_ranks: int = 0
 
     def __post_init__(self):
         _require_int("--oea-k0", self.k0, minimum=1, allow_none=True)
         _require_int("--oea-min-batch", self.min_batch, minimum=1)
         _require_int("--oea-max-batch", self.max_batch, minimum=0)
         _require_int("--oea-dump-steps", self.dump_steps, minimum=1)
+        _require_int("--oea-check-ranks", self.check_ranks, minimum=0)
         if self.kernel not in KERNEL_CHOICES:
             raise ValueError(f"--oea-kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
         if not isinstance(self.stats, bool):
             raise ValueError(f"stats must be True or False (--oea-disable-stats turns it off), got {self.stats!r}")
+        if self.dump_router_logits and not self.enabled:
+            raise ValueError("--oea-dump-router-logits records only with --oea-k0 set; to record without changing "
+                             "any expert, give --oea-k0 the model's top-k")
+        if self.check_ranks and not self.enabled:
+            raise ValueError("--oea-check-ranks compares the experts OEA chose, so it needs --oea-k0")
         if self.max_batch and self.max_batch < self.min_batch:
             raise ValueError(
                 f"--oea-max-batch must be 0 (no cap) or >= --oea-min-batch ({self.min_batch}), "
@@ -73,7 +82,7 @@ class OEAConfig:
         cap = self.max_batch or "none"
         return (
             f"k0={self.k0} min_batch={self.min_batch} max_batch={cap} stats={'on' if self.stats else 'off'} "
-            f"kernel={self.kernel}"
+            f"kernel={self.kernel} check_ranks={self.check_ranks or 'off'}"
         )
 
 

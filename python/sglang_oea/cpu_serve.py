@@ -9,7 +9,10 @@ are satisfied. This sets that up and then hands over to `sglang serve` in a fres
 - --attention-backend torch_native, --disable-cuda-graph, --mem-fraction-static 0.1;
 - the stand-in `sgl_kernel` (sglang_oea/cpu_stub) first on PYTHONPATH, so every process,
   spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op that is
-  called logs an error and raises.
+  called logs an error and raises;
+- with --tp N > 1: SGLANG_CPU_OMP_THREADS_BIND (unless set) gives each rank its own share of
+  the cores, since SGLang otherwise wants one NUMA node per rank; the `oea_cpu_harness` plugin
+  (cpu_harness.py) keeps NCCL out of the CPU process groups.
 A default is added only when the caller did not give that flag.
 """
 
@@ -38,6 +41,26 @@ def cpu_environment(base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def flag_value(argv: Sequence[str], flag: str, default: str) -> str:
+    """The value given for `flag` (as `--flag V` or `--flag=V`), or default."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def thread_binding(ranks: int, cores: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks on cores 0..cores-1: contiguous shares,
+    e.g. (2, 2) -> "0|1", (2, 8) -> "0-3|4-7"; with more ranks than cores, ranks share cores."""
+    if ranks > cores:
+        return "|".join(str(rank % cores) for rank in range(ranks))
+    share = cores // ranks
+    spans = [(rank * share, rank * share + share - 1) for rank in range(ranks)]
+    return "|".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
+
+
 def with_cpu_defaults(argv: Sequence[str]) -> List[str]:
     """`argv` plus each CPU default whose flag the caller did not give."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
@@ -57,7 +80,11 @@ def serve_command(argv: Sequence[str]) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     command = serve_command(argv)
-    os.execve(sys.executable, command, cpu_environment())
+    env = cpu_environment()
+    ranks = int(flag_value(argv, "--tp", flag_value(argv, "--tp-size", "1")))
+    if ranks > 1:
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(ranks, os.cpu_count() or 1))
+    os.execve(sys.executable, command, env)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,11 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
         "--oea-dump-steps", type=_int_type("--oea-dump-steps", 1), default=32, metavar="N",
         help="With --oea-dump-router-logits: how many decode steps to record (default 32).",
     )
+    group.add_argument(
+        "--oea-check-ranks", type=_int_type("--oea-check-ranks", 0), default=0, metavar="N",
+        help="Every N decode steps, compare a checksum of the experts OEA chose across tensor-parallel "
+        "ranks and stop the server if they differ (0 = off, the default).",
+    )
 
 
 def config_from_namespace(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> OEAConfig:
@@ -176,6 +181,25 @@ def check_model(shape: Optional[MoEShape], model_path: str, cfg: OEAConfig) -> N
         logger.warning("--oea-k0 %d >= the model's top-k %d: OEA is a no-op for %s.", cfg.k0, shape.top_k, model_path)
 
 
+SUPPORTED_SGLANG = "0.5.23"
+
+
+def installed_sglang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def check_sglang_version(found: str) -> None:
+    """OEA hooks SGLang's internals, which change between releases: refuse any other version."""
+    if found != SUPPORTED_SGLANG:
+        raise ValueError(f"--oea-k0 needs sglang=={SUPPORTED_SGLANG} (the version sglang-oea hooks into); "
+                         f"this environment has sglang {found}")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -197,6 +221,7 @@ def validate_server(
     """
     if not cfg.enabled:
         return None
+    check_sglang_version(installed_sglang_version())
     check_parallelism(get)
     check_backend(get("moe_runner_backend", "auto"))
     check_serving_mode(get)

@@ -33,6 +33,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from sglang_oea import flags
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
+from sglang_oea.rank_check import RankCheck
 from sglang_oea.runtime import DECODE, OTHER, VERIFY, OEARuntime, graph_capture_active
 
 logger = logging.getLogger("sglang_oea")
@@ -177,8 +178,10 @@ def ensure_runtime() -> Optional[OEARuntime]:
             return None
         from sglang.srt.runtime_context import get_parallel, get_server_args
 
-        _runtime = OEARuntime(cfg, rank=int(get_parallel().tp_rank or 0),
-                              speculative=bool(get_server_args().speculative_algorithm))
+        parallel = get_parallel()
+        _runtime = OEARuntime(cfg, rank=int(parallel.tp_rank or 0),
+                              speculative=bool(get_server_args().speculative_algorithm),
+                              world_size=int(parallel.tp_size or 1))
     return _runtime
 
 
@@ -196,7 +199,18 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     state = "no-op (k0 >= top-k)" if shape and cfg.k0 >= shape.top_k else "on"
     logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s", runtime.rank, state, cfg.describe(), model,
                 runtime.routers.describe())
+    attach_rank_check(runtime)
     metrics.attach(runtime, scheduler)
+
+
+def attach_rank_check(runtime: OEARuntime) -> None:
+    """The --oea-check-ranks guard over this rank's tensor-parallel group (the ranks that route
+    the same batch), once the groups exist."""
+    if runtime.checksums and runtime.rank_check is None:
+        from sglang.srt.distributed import get_tp_group
+
+        group = get_tp_group()
+        runtime.rank_check = RankCheck(runtime.cfg.check_ranks, group.cpu_group, group.world_size)
 
 
 def forward_mode_of(forward_batch: Any) -> str:
@@ -268,8 +282,14 @@ def graph_execute_hook(original: Callable, runner: Any, forward_batch: Any, *arg
 
 
 def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
-    """On SGLang's decode-log steps, publish OEA's counters just before it logs 'Decode batch'."""
-    if _runtime is not None and reporter.forward_ct_decode % reporter.decode_log_interval == 0:
+    """After every decode step, on every rank in step: the rank check when due; on SGLang's
+    decode-log steps, publish OEA's counters just before it logs 'Decode batch'."""
+    if _runtime is None:
+        return
+    check = _runtime.rank_check
+    if check is not None and check.due(reporter.forward_ct_decode) and _runtime.device is not None:
+        check.check(_runtime.device.checksums, reporter.forward_ct_decode)
+    if reporter.forward_ct_decode % reporter.decode_log_interval == 0:
         from sglang_oea import metrics
 
         metrics.report(_runtime)
@@ -294,7 +314,10 @@ def missing_hooks(targets: Tuple[str, ...]) -> List[str]:
     missing = []
     for target in targets:
         owner, _, attr = target.rpartition(".")
-        landed = target in HookRegistry._patched and hasattr(getattr(pkgutil.resolve_name(owner), attr), "__wrapped__")
+        try:
+            landed = target in HookRegistry._patched and hasattr(getattr(pkgutil.resolve_name(owner), attr), "__wrapped__")
+        except (ImportError, AttributeError):  # the module, class or function is gone in this SGLang
+            landed = False
         if not landed:
             missing.append(target)
     return missing

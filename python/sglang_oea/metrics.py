@@ -10,6 +10,7 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_decode_steps_skipped_total{model_name,tp_rank,reason}
     sglang:oea_k0{model_name,tp_rank}
     sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
+    sglang:oea_rank_checks_total{model_name,tp_rank}   passed --oea-check-ranks comparisons
 Expert counts are averaged over the decode steps where OEA applied in the last interval.
 """
 
@@ -39,7 +40,9 @@ class PrometheusExport:
         k0_gauge.labels(**labels).set(k0)
         self.kernel = Gauge("sglang:oea_kernel_info", "MoE routing shapes per routing implementation and kernel "
                             "self-check result", names + ["kernel", "self_check"], multiprocess_mode="mostrecent")
+        self.rank_checks = Counter("sglang:oea_rank_checks", "Passed --oea-check-ranks comparisons", names)
         self.exported_applied = 0
+        self.exported_checks = 0
         self.exported_skipped: Dict[str, int] = {}
 
     def publish(self, runtime: OEARuntime, layers: Optional[Any]) -> None:
@@ -53,6 +56,9 @@ class PrometheusExport:
         for reason, count in runtime.skipped_steps.items():
             self.skipped.labels(**self.labels, reason=reason).inc(count - self.exported_skipped.get(reason, 0))
             self.exported_skipped[reason] = count
+        if runtime.rank_check is not None:
+            self.rank_checks.labels(**self.labels).inc(runtime.rank_check.checks - self.exported_checks)
+            self.exported_checks = runtime.rank_check.checks
         for (kernel, result), shapes in runtime.routers.status().items():
             self.kernel.labels(**self.labels, kernel=kernel, self_check=result).set(shapes)
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from sglang_oea.config import OEAConfig
+from sglang_oea.rank_check import RankCheck, ids_checksum
 from sglang_oea.reference import batch_gate, distinct_experts
 from sglang_oea.routers import CAPTURE, EAGER, WARMUP, GraphCaptureError, RouterChoice
 from sglang_oea.routing import RouterSpec
@@ -143,12 +144,15 @@ class RouterDump:
         return step in self.steps_seen or len(self.steps_seen) < self.max_steps
 
     def write(self, step: int, layer_id: int, router_logits: torch.Tensor, spec: RouterSpec,
-              topk_config: Any, top_k: int) -> None:
-        """One record: [B, N] logits plus the routing as SGLang applies it (spec's scoring)."""
+              topk_config: Any, top_k: int, router_ids: torch.Tensor, oea_ids: Optional[torch.Tensor]) -> None:
+        """One record: [B, N] logits plus the routing as SGLang applies it (spec's scoring), and
+        the [B, top_k] ids of the router and of OEA (None where OEA left the step alone)."""
         self.steps_seen.add(step)
         bias = spec.correction_bias
         record = {
             "router_logits": router_logits.detach().float().cpu(),
+            "router_ids": router_ids[:, :top_k].cpu(),
+            "oea_ids": None if oea_ids is None else oea_ids[:, :top_k].cpu(),
             "layer_id": layer_id,
             "step": step,
             "batch_size": router_logits.shape[0],
@@ -193,19 +197,25 @@ class LayerRouting:
 
 class DeviceState:
     """Per-process device tensors, made at the first routing call (outside capture): the real
-    row count that captured graphs read, and the expert counters."""
+    row count that captured graphs read, the expert counters, and the rank-check checksums
+    ([MAX_LAYERS] int64, see rank_check)."""
 
-    def __init__(self, device: torch.device, stats: bool):
+    def __init__(self, device: torch.device, stats: bool, checksums: bool):
         self.rows = torch.zeros((), dtype=torch.int32, device=device)
         self.stats = ExpertStats(device) if stats else None
+        self.checksums = torch.zeros(MAX_LAYERS, dtype=torch.int64, device=device) if checksums else None
 
 
 class OEARuntime:
     """OEA for one process: gate, route, count."""
 
-    def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False):
+    def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False, world_size: int = 1):
         self.cfg = cfg
         self.rank = rank
+        self.world_size = world_size
+        # Checksums only when there are ranks to compare them with.
+        self.checksums = bool(cfg.check_ranks) and world_size > 1
+        self.rank_check: Optional[RankCheck] = None  # set once the process groups exist
         self.speculative = speculative
         self.step = StepInfo()
         self.device: Optional[DeviceState] = None
@@ -335,8 +345,16 @@ class OEARuntime:
             return None
         capturing = is_capturing(router_logits)
         graph = step.graph or capturing
+        routed = self.route_if_open(layer, info, router_logits, topk_ids, topk_weights, capturing, graph)
         if self.dump is not None and not graph and self.dump.wants(step.index):
-            self.dump.write(step.index, layer, router_logits[: step.num_rows], info.spec, topk_config, info.num_routed)
+            rows = step.num_rows
+            self.dump.write(step.index, layer, router_logits[:rows], info.spec, topk_config, info.num_routed,
+                            topk_ids[:rows], None if routed is None else routed[0][:rows])
+        return routed
+
+    def route_if_open(self, layer: int, info: LayerRouting, logits, ids, weights, capturing: bool, graph: bool):
+        """route()'s gates, then route_layer: (ids, weights), or None to keep the router's."""
+        step = self.step
         if self.cfg.k0 >= info.num_routed:
             step.tally.noop = True
             return None
@@ -344,15 +362,15 @@ class OEARuntime:
         # can be left out. Eager passes were gated on the host with their real rows.
         if (graph and step.num_rows < self.cfg.min_batch) or (not graph and not step.apply):
             return None
-        ids, weights = self.route_layer(layer, info, router_logits, topk_ids, topk_weights, capturing, graph)
+        routed = self.route_layer(layer, info, logits, ids, weights, capturing, graph)
         step.tally.rewrote = True
-        return ids, weights
+        return routed
 
     def device_state(self, device: torch.device, capturing: bool) -> DeviceState:
         if self.device is None:
             if capturing:
                 raise GraphCaptureError("sglang-oea: the routing state would be allocated inside CUDA-graph capture")
-            self.device = DeviceState(device, self.cfg.stats)
+            self.device = DeviceState(device, self.cfg.stats, self.checksums)
         return self.device
 
     def route_layer(self, layer: int, info: LayerRouting, logits, ids, weights, capturing: bool, graph: bool):
@@ -370,6 +388,8 @@ class OEARuntime:
             gate = batch_gate(rows, lo, hi) if isinstance(rows, torch.Tensor) else 1
             before = distinct_experts(ids[:, :k], n, rows)
             state.stats.add(layer, before, distinct_experts(new_ids[:, :k], n, rows), gate)
+        if state.checksums is not None:
+            state.checksums[layer].add_(ids_checksum(new_ids[:, :info.num_routed]))
         return new_ids, new_weights
 
     def row_count(self, router: str, graph: bool):

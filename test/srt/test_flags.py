@@ -61,8 +61,26 @@ def test_defaults_mean_off():
 
 def test_all_flags_parse():
     cfg = parse(["--oea-k0", "5", "--oea-min-batch", "8", "--oea-max-batch", "64", "--oea-disable-stats", "--oea-kernel", "torch",
-                 "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3"])
-    assert cfg == OEAConfig(k0=5, min_batch=8, max_batch=64, stats=False, kernel="torch", dump_router_logits="/tmp/d", dump_steps=3)
+                 "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3", "--oea-check-ranks", "50"])
+    assert cfg == OEAConfig(k0=5, min_batch=8, max_batch=64, stats=False, kernel="torch", dump_router_logits="/tmp/d",
+                            dump_steps=3, check_ranks=50)
+    assert "check_ranks=50" in cfg.describe() and "check_ranks=off" in OEAConfig(k0=5).describe()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--oea-dump-router-logits", "/tmp/d"], "--oea-dump-router-logits records only with --oea-k0 set"),
+    (["--oea-check-ranks", "10"], "--oea-check-ranks compares the experts OEA chose, so it needs --oea-k0"),
+])
+def test_settings_that_act_only_with_oea_on_are_refused_without_k0(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse(argv)
+
+
+def test_other_sglang_versions_are_refused():
+    flags.check_sglang_version("0.5.23")
+    with pytest.raises(ValueError, match=r"--oea-k0 needs sglang==0.5.23 .*this environment has sglang 0.5.24"):
+        flags.check_sglang_version("0.5.24")
+    assert flags.installed_sglang_version() == "0.5.23"
 
 
 def test_bad_kernel_choice_is_refused_by_the_parser(capsys):
@@ -83,6 +101,7 @@ def test_bad_kernel_choice_is_refused_by_the_parser(capsys):
     (["--oea-min-batch", "0"], "--oea-min-batch"),
     (["--oea-max-batch", "-1"], "--oea-max-batch"),
     (["--oea-dump-steps", "0"], "--oea-dump-steps"),
+    (["--oea-check-ranks", "-1"], "--oea-check-ranks"),
 ])
 def test_bad_values_are_refused_by_the_parser(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -350,3 +369,8 @@ def test_plugin_installed_but_off_wraps_no_routing_target():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["routing_missing"] == list(hooks.ROUTING_TARGETS), "no routing target is wrapped when OEA is off"
     assert result["cli_missing"] == [], "the flags are still available"
+
+
+def test_a_hook_target_gone_from_sglang_is_reported_missing():
+    gone = ("sglang.srt.no_such_module.function", "sglang.srt.server_args.ServerArgs.no_such_method")
+    assert hooks.missing_hooks(gone) == list(gone)

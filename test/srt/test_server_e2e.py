@@ -37,12 +37,13 @@ def models(tmp_path_factory):
 
 @contextmanager
 def serve(tmp_path_factory, model, *flags, plugins=True):
-    """A cpu_serve server for `model` with `flags`; plugins=False runs plain SGLang (no plugin)."""
+    """A cpu_serve server for `model` with `flags`. plugins=False runs plain SGLang (no plugin); a
+    string is SGLang's plugin whitelist (SGLANG_PLUGINS), e.g. the CPU harness alone at --tp 2."""
     port = free_port()
     env = child_env()
     env.pop("_SGLANG_OEA_CONFIG", None)
-    if not plugins:
-        env["SGLANG_PLUGINS"] = "none-loaded"  # SGLang's whitelist: loads no general plugin
+    if plugins is not True:
+        env["SGLANG_PLUGINS"] = plugins or "none-loaded"  # SGLang's whitelist; an unknown name loads none
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, "--load-format", "dummy",
            "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0", *flags]

@@ -1,0 +1,117 @@
+"""Tensor parallel on the real server: `cpu_serve --tp 2` runs two SGLang scheduler ranks on the
+CPU engine (their all-reduces go over gloo). Tiny dummy-weight models of both router families.
+
+What must hold at TP=2: identical greedy outputs to SGLang without the OEA plugin when OEA is
+off or a no-op; under concurrent load with OEA on, both ranks see the same router logits and
+choose the same experts at every recorded step and layer, export the same counts, and the
+rank check (--oea-check-ranks) passes. One server at a time (2 cores).
+"""
+
+import os
+import re
+
+import pytest
+import torch
+
+from test_server_e2e import (TOP_K, complete, concurrent, greedy_texts, models, oea_value, post,  # noqa: F401
+                             scrape, serve)
+
+pytestmark = pytest.mark.server
+
+TP = ("--tp", "2")
+HARNESS = "oea_cpu_harness"  # the CPU harness plugin alone: plain SGLang routing at --tp 2
+RANKS = ("0", "1")
+
+
+def rank_lines(log, pattern):
+    """{rank: number of log lines matching pattern} for the lines SGLang prefixed with 'TP<rank>'."""
+    counts = {}
+    for line in open(log):
+        found = re.search(r"\bTP(\d+)\]", line)
+        if found and re.search(pattern, line):
+            counts[found.group(1)] = counts.get(found.group(1), 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def plain_tp2(tmp_path_factory, models):
+    with serve(tmp_path_factory, models["qwen3_moe"], *TP, plugins=HARNESS) as (base, log):
+        texts = greedy_texts(base)
+    text = open(log).read()
+    assert "sglang-oea" not in text and "oea_k0" not in text
+    return texts
+
+
+def test_installed_but_off_is_identical_at_tp2(tmp_path_factory, models, plain_tp2):
+    with serve(tmp_path_factory, models["qwen3_moe"], *TP, "--enable-metrics") as (base, log):
+        assert greedy_texts(base) == plain_tp2
+        names = {n for n, _ in scrape(base)}
+    assert not any("oea" in n for n in names)
+    assert "sglang-oea rank" not in open(log).read()
+
+
+def test_k0_at_least_top_k_is_identical_at_tp2(tmp_path_factory, models, plain_tp2):
+    with serve(tmp_path_factory, models["qwen3_moe"], *TP, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
+        assert greedy_texts(base) == plain_tp2
+    # Settings: one line per rank (each rank decides its kernel itself); the no-op warning, a fact
+    # about the configuration, once overall.
+    assert rank_lines(log, r"sglang-oea rank \d: OEA no-op \(k0 >= top-k\)") == {"0": 1, "1": 1}
+    assert open(log).read().count("OEA is a no-op for") == 1
+
+
+def dumps_by_rank(directory):
+    """{(step, layer): {rank: record}} from a --oea-dump-router-logits directory."""
+    out = {}
+    for name in os.listdir(directory):
+        rank, step, layer = re.match(r"rank(\d+)_step(\d+)_layer(\d+)\.pt$", name).groups()
+        out.setdefault((int(step), int(layer)), {})[rank] = torch.load(os.path.join(directory, name))
+    return out
+
+
+def check_ranks_agree(base, log, dump, layers):
+    """Both ranks: identical dumps at every recorded step and layer, identical OEA metrics."""
+    records = dumps_by_rank(dump)
+    assert records and all(set(ranks) == set(RANKS) for ranks in records.values())
+    assert {layer for _, layer in records} == set(range(layers))
+    rewritten = 0
+    for key, ranks in records.items():
+        zero, one = ranks["0"], ranks["1"]
+        assert torch.equal(zero["router_logits"], one["router_logits"]), key
+        assert torch.equal(zero["router_ids"], one["router_ids"]), key
+        assert (zero["oea_ids"] is None) == (one["oea_ids"] is None), key
+        if zero["oea_ids"] is not None:
+            assert torch.equal(zero["oea_ids"], one["oea_ids"]), key
+            rewritten += int(not torch.equal(zero["oea_ids"].sort().values, zero["router_ids"].sort().values))
+    assert rewritten > 0, "no recorded step where OEA changed an expert"
+
+    metrics = scrape(base)
+    per_rank = {rank: {(n, frozenset(kv for kv in ls if kv[0] != "tp_rank")): v for (n, ls), v in metrics.items()
+                       if n.startswith("sglang:oea_") and ("tp_rank", rank) in ls} for rank in RANKS}
+    assert per_rank["0"] and per_rank["0"] == per_rank["1"]
+    assert oea_value(metrics, "sglang:oea_decode_steps_applied_total", tp_rank="0") >= 10
+    assert oea_value(metrics, "sglang:oea_rank_checks_total", tp_rank="0") >= 10
+    assert "routed different experts" not in open(log).read()
+
+
+LOAD_FLAGS = ("--oea-min-batch", "2", "--enable-metrics", "--decode-log-interval", "1",
+              "--oea-dump-steps", "16", "--oea-check-ranks", "1", *TP)
+
+
+def check_serves(base, count=8, tokens=20):
+    """Concurrent completions, a streamed completion and a chat completion, all complete."""
+    assert all(r["usage"]["completion_tokens"] == tokens for r in concurrent(base, count, tokens))
+    payload = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
+    stream = post(base + "/v1/completions", payload)
+    assert stream.count("data: ") >= 3 and stream.rstrip().endswith("data: [DONE]")
+    chat = post(base + "/v1/chat/completions", {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]})
+    assert '"completion_tokens"' in chat
+
+
+@pytest.mark.parametrize("arch,k0", [("qwen3_moe", "1"), ("glm4_moe", "3")])
+def test_ranks_route_alike_under_load(tmp_path_factory, models, arch, k0):
+    dump = str(tmp_path_factory.mktemp("dump"))
+    flags = ("--oea-k0", k0, "--oea-dump-router-logits", dump, *LOAD_FLAGS)
+    with serve(tmp_path_factory, models[arch], *flags) as (base, log):
+        check_serves(base)
+        check_ranks_agree(base, log, dump, layers=2)
+    assert rank_lines(log, rf"sglang-oea rank \d: OEA on, k0={k0} .* check_ranks=1") == {"0": 1, "1": 1}
