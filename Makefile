@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.sglang-oea-installed
 DEMO_OUT ?= out/demo
 
-.PHONY: install test test-fast demo simulate clean
+.PHONY: install test test-fast demo simulate wheel clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test-fast: install
 
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VPY) benchmark/oea/demo.py --out-dir $(DEMO_OUT)
+
+# The plugin's wheel in dist/, built offline with the venv's setuptools (README, "Install").
+wheel: install
+	$(VPY) -m pip wheel --no-deps --no-build-isolation -w dist ./python
+	rm -rf python/build
 
 simulate: install
 	$(VPY) benchmark/oea/simulate.py --out-dir out/simulate

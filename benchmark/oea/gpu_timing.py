@@ -180,11 +180,13 @@ def eager_host_us(rt: OEARuntime, layer: Layer, rows: int, calls: int = 200) -> 
 def bench_runtime(device, deadline: float, batch_sizes: Sequence[int] = (4, 16, 64, 256)) -> List[str]:
     """Check 6. Report lines; batch sizes not started by `deadline` are skipped (and listed)."""
     runtimes = {kind: OEARuntime(OEAConfig(k0=3, min_batch=4, kernel=kind)) for kind in ("auto", "torch")}
+    # As on a rank of a TP=2 server with --oea-check-ranks: the per-layer id checksum is captured too.
+    runtimes["checked"] = OEARuntime(OEAConfig(k0=3, min_batch=4, check_ranks=1), world_size=2)
     gen = torch.Generator().manual_seed(SEED + 6)
     lines = [
         "| model | B | plain routing us | torch path us | kernel path us (p20-p80) | kernel/plain | kernel/torch "
-        "| kernel path eager host us per call |",
-        "|---|---|---|---|---|---|---|---|",
+        "| kernel path eager host us per call | kernel path + rank checksum us |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     skipped, keep = [], []
     for shape in GPU_SHAPES:
@@ -199,17 +201,19 @@ def bench_runtime(device, deadline: float, batch_sizes: Sequence[int] = (4, 16, 
                 torch_path = captured_route_us(runtimes["torch"], layer, rows)
                 plain = graph_time_us(lambda: plain_routing(layer.logits, shape, layer.spec.correction_bias))
                 host = eager_host_us(runtimes["auto"], layer, rows)
+                checked = captured_route_us(runtimes["checked"], layer, rows)
             except Exception as e:
                 print(traceback.format_exc())
                 lines.append(f"| {shape.name} | {rows} | raised {type(e).__name__}: "
-                             f"{(str(e).strip().splitlines() or [''])[0][:200]} | | | | | |")
+                             f"{(str(e).strip().splitlines() or [''])[0][:200]} | | | | | | |")
                 continue
-            timed = (("kernel", kernel), ("torch", torch_path), ("plain", plain))
+            timed = (("kernel", kernel), ("torch", torch_path), ("plain", plain), ("checked", checked))
             eager = [name for name, t in timed if t[3] != "graph"]
             lines.append(
                 f"| {shape.name} | {rows} | {plain[0]:.1f} | {torch_path[0]:.1f} | {kernel[0]:.1f} "
                 f"({kernel[1]:.1f}-{kernel[2]:.1f}) | {kernel[0] / plain[0]:.2f}x | {kernel[0] / torch_path[0]:.2f}x "
-                f"| {host:.1f}" + (f" (timed eagerly, capture failed: {', '.join(eager)})" if eager else "") + " |"
+                f"| {host:.1f}" + (f" (timed eagerly, capture failed: {', '.join(eager)})" if eager else "")
+                + f" | {checked[0]:.1f} |"
             )
             print("  " + lines[-1])
     routers = {kind: rt.routers.status() for kind, rt in runtimes.items()}

@@ -1,6 +1,12 @@
 """Write a tiny MoE model directory (config.json + tokenizer) that `--load-format dummy` can serve.
 
     python -m sglang_oea.tiny_model --arch qwen3_moe --out DIR [--num-experts 128 --top-k 8 ...]
+    python -m sglang_oea.tiny_model --arch qwen3_moe --out DIR --random-weights   # + a checkpoint
+
+--random-weights also writes model.safetensors (seeded normal weights, std 0.02, unit norms; served
+without --load-format dummy). SGLang's dummy weights are uniform in +-1e-3 for every tensor, norms
+included, so the MoE output is some 1e-9 of the residual stream and no routing change can move a
+greedy token: a test that compares outputs needs real weights to be able to fail.
 
 qwen3_moe: softmax routing (Qwen3MoeForCausalLM).
 glm4_moe:  sigmoid routing with a correction bias, expert groups and a shared expert
@@ -128,6 +134,39 @@ def write_model(args: argparse.Namespace) -> str:
     return args.out
 
 
+def write_random_weights(directory: str, seed: int = 0, std: float = 0.02) -> None:
+    """model.safetensors (bf16, Qwen3-MoE checkpoint names) for the qwen3_moe config in `directory`."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, inter, head_dim = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["head_dim"]
+    q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": normal(cfg["vocab_size"], hidden), "model.norm.weight": ones(hidden),
+               "lm_head.weight": normal(cfg["vocab_size"], hidden)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+        weights.update({p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
+                        a + "q_proj.weight": normal(q_rows, hidden), a + "k_proj.weight": normal(kv_rows, hidden),
+                        a + "v_proj.weight": normal(kv_rows, hidden), a + "o_proj.weight": normal(hidden, q_rows),
+                        a + "q_norm.weight": ones(head_dim), a + "k_norm.weight": ones(head_dim),
+                        p + "mlp.gate.weight": normal(cfg["num_experts"], hidden)})
+        for e in range(cfg["num_experts"]):
+            q = f"{p}mlp.experts.{e}."
+            weights.update({q + "gate_proj.weight": normal(inter, hidden), q + "up_proj.weight": normal(inter, hidden),
+                            q + "down_proj.weight": normal(hidden, inter)})
+    save_file(weights, os.path.join(directory, "model.safetensors"))
+
+
 def _write_json(path: str, payload: Dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
@@ -146,7 +185,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-groups", type=int, default=8, help="glm4_moe: expert groups (n_group)")
     p.add_argument("--topk-group", type=int, default=4, help="glm4_moe: groups each token may use")
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size to train")
+    p.add_argument("--random-weights", action="store_true",
+                   help="also write model.safetensors with seeded random weights (qwen3_moe only)")
     args = p.parse_args(argv)
+    if args.random_weights and args.arch != "qwen3_moe":
+        p.error(f"--random-weights supports --arch qwen3_moe only, got {args.arch}")
     if args.top_k > args.num_experts:
         p.error(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
     if args.arch == "glm4_moe" and args.num_experts % args.num_groups:
@@ -155,7 +198,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    print(write_model(parse_args(argv)))
+    args = parse_args(argv)
+    write_model(args)
+    if args.random_weights:
+        write_random_weights(args.out)
+    print(args.out)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,21 @@ NUM_EXPERTS, TOP_K = 64, 8
 PROMPTS = ["The experts of a batch", "Memory bound decode means", "Tokens borrow experts", "0123 4567 89"]
 
 
-def make_model(directory, arch):
+def make_model(directory, arch, *extra):
     write_tiny_model(["--arch", arch, "--out", directory, "--num-experts", str(NUM_EXPERTS), "--top-k", str(TOP_K),
-                      "--hidden-size", "128", "--moe-intermediate-size", "64", "--num-layers", "2", "--num-heads", "4"])
+                      "--hidden-size", "128", "--moe-intermediate-size", "64", "--num-layers", "2", "--num-heads", "4",
+                      *extra])
     return directory
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """Both router families with dummy weights, and "qwen3_moe_weighted": a checkpoint with real
+    random weights, for the tests whose outputs must be able to differ (see tiny_model)."""
     root = tmp_path_factory.mktemp("models")
-    return {arch: make_model(str(root / arch), arch) for arch in ("qwen3_moe", "glm4_moe")}
+    made = {arch: make_model(str(root / arch), arch) for arch in ("qwen3_moe", "glm4_moe")}
+    made["qwen3_moe_weighted"] = make_model(str(root / "weighted"), "qwen3_moe", "--random-weights")
+    return made
 
 
 @contextmanager
@@ -45,7 +50,9 @@ def serve(tmp_path_factory, model, *flags, plugins=True):
     if plugins is not True:
         env["SGLANG_PLUGINS"] = plugins or "none-loaded"  # SGLang's whitelist; an unknown name loads none
     log = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, "--load-format", "dummy",
+    # A model written with --random-weights is loaded from its checkpoint; the others get dummy weights.
+    weights = () if os.path.exists(os.path.join(model, "model.safetensors")) else ("--load-format", "dummy")
+    cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, *weights,
            "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0", *flags]
     server = Server(cmd, log, env)
     try:
@@ -97,13 +104,13 @@ def oea_value(metrics, name, **labels):
 
 @pytest.fixture(scope="module")
 def plain_qwen(tmp_path_factory, models):
-    with serve(tmp_path_factory, models["qwen3_moe"], "--enable-metrics", plugins=False) as (base, _):
+    with serve(tmp_path_factory, models["qwen3_moe_weighted"], "--enable-metrics", plugins=False) as (base, _):
         plain = {"texts": greedy_texts(base), "metric_names": {n for n, _ in scrape(base)}}
     return plain
 
 
 def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plain_qwen):
-    with serve(tmp_path_factory, models["qwen3_moe"], "--enable-metrics") as (base, log):
+    with serve(tmp_path_factory, models["qwen3_moe_weighted"], "--enable-metrics") as (base, log):
         assert greedy_texts(base) == plain_qwen["texts"]
         names = {n for n, _ in scrape(base)}
     assert not any("oea" in n for n in names)
@@ -112,7 +119,7 @@ def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plai
 
 
 def test_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_qwen):
-    with serve(tmp_path_factory, models["qwen3_moe"], "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
+    with serve(tmp_path_factory, models["qwen3_moe_weighted"], "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
         assert greedy_texts(base) == plain_qwen["texts"]
     assert "OEA no-op (k0 >= top-k)" in open(log).read()
 

@@ -1,0 +1,289 @@
+"""benchmark/oea/quality_ab.py: its statistics and input checks (pure), then both arms on real servers.
+
+The server tests start one CPU server at a time (2 cores): the baseline arm is saved once and
+reused (--baseline-from) by each OEA server's run; the servers differ only in their --oea-* flags.
+
+The tiny model has a checkpoint with real random weights (tiny_model --random-weights) instead of
+--load-format dummy: dummy weights are uniform in +-1e-3 for every tensor, norms included, so the
+MoE output is some 1e-9 of the residual stream and no routing change can move a greedy token
+(k0=1 applied on every decode step and left all outputs identical).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from random import Random
+
+import pytest
+
+import quality_ab as qa
+from test_server_e2e import TOP_K, make_model, serve
+
+
+NUM_PROMPTS, CONCURRENCY, MAX_TOKENS = 24, 8, 16
+# Flags of every server; the OEA arms add only --oea-*. Metrics are exported every decode step.
+COMMON_FLAGS = ("--enable-metrics", "--decode-log-interval", "1")
+server = pytest.mark.server  # the tests that start real servers
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(qa.__file__)), "quality_ab.py")
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_wilson_interval_known_values():
+    assert qa.wilson_interval(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
+    assert qa.wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert qa.wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert qa.wilson_interval(0, 0) is None
+    assert qa.wilson_interval(0, 24)[0] == 0.0 and qa.wilson_interval(24, 24)[1] == 1.0  # exact ends
+
+
+def test_paired_difference_normal_ci_and_mcnemar():
+    base = [True, True, False, False, True]
+    oea = [True, False, True, True, True]  # d = 0, -1, 1, 1, 0: mean 0.2, sd sqrt(0.7)
+    diff = qa.paired_difference(base, oea)
+    half = qa.Z95 * 0.7 ** 0.5 / 5 ** 0.5
+    assert diff["mean"] == pytest.approx(0.2)
+    assert diff["ci95"] == pytest.approx((0.2 - half, 0.2 + half))
+    assert (diff["oea_only_correct"], diff["baseline_only_correct"]) == (2, 1)
+    assert diff["mcnemar_exact_p"] == pytest.approx(1.0)
+    assert qa.paired_difference([True] * 4, [True] * 4)["ci95"] == (0.0, 0.0)
+    assert qa.paired_difference([True], [False])["ci95"] is None
+
+
+def test_mcnemar_exact_p():
+    assert qa.mcnemar_exact_p(0, 5) == pytest.approx(2 / 32)
+    assert qa.mcnemar_exact_p(2, 8) == pytest.approx(2 * (1 + 10 + 45) / 1024)
+    assert qa.mcnemar_exact_p(0, 0) == 1.0
+
+
+def test_first_divergence_and_agreement():
+    assert qa.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert qa.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert qa.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert qa.first_divergence([], [4]) == 0
+    pairs = [([1, 2, 3], [1, 2, 3]), ([1, 2, 3, 4], [1, 9, 3]), ([5], [])]
+    agreement = qa.token_agreement(pairs)
+    assert (agreement["positions_agreeing"], agreement["positions_compared"]) == (5, 6)
+    assert agreement["token_agreement"] == pytest.approx(5 / 6)
+    assert (agreement["identical"], agreement["identical_share"]) == (1, pytest.approx(1 / 3))
+    assert qa.token_agreement([([], [])])["token_agreement"] is None
+
+
+def test_divergence_distribution():
+    positions = [0, 1, 2, 3, 5, 9]
+    summary = qa.divergence_summary(positions)
+    assert (summary["count"], summary["min"], summary["max"]) == (6, 0, 9)
+    assert summary["median"] == pytest.approx(2.5)
+    assert summary["p25"] == pytest.approx(1.25) and summary["p75"] == pytest.approx(4.5)
+    assert summary["histogram"] == [{"bucket": "0", "count": 1}, {"bucket": "1", "count": 1},
+                                    {"bucket": "2-3", "count": 2}, {"bucket": "4-7", "count": 1},
+                                    {"bucket": "8-15", "count": 1}]
+    assert qa.divergence_summary([])["median"] is None and qa.divergence_summary([])["histogram"] == []
+    buckets = (("0", 0), ("1", 0), ("2-3", 0), ("4-7", 1))
+    assert qa.divergence_histogram([4]) == [{"bucket": b, "count": c} for b, c in buckets]
+
+
+def test_extract_answer():
+    regex = qa.compile_regex(r"= *(-?\d+)", "x")
+    assert qa.extract_answer(" 3 + 4 = 7, so", regex) == "7"
+    assert qa.extract_answer("no number", regex) is None
+    assert qa.extract_answer("a 12 b", qa.compile_regex(r"\d+", "x")) == "12"  # no group: the whole match
+    assert qa.extract_answer("  yes \n", None) == "yes"
+
+
+METRICS_BEFORE = """\
+# TYPE sglang:oea_decode_steps_applied_total counter
+sglang:oea_decode_steps_applied_total{model_name="m",tp_rank="1"} 10.0
+sglang:oea_decode_steps_applied_total{model_name="m",tp_rank="0"} 10.0
+sglang:oea_decode_steps_skipped_total{model_name="m",reason="not_decode",tp_rank="0"} 3.0
+sglang:oea_decode_steps_skipped_total{model_name="m",reason="not_decode",tp_rank="1"} 3.0
+"""
+METRICS_AFTER = """\
+sglang:oea_decode_steps_applied_total{model_name="m",tp_rank="10"} 99.0
+sglang:oea_decode_steps_applied_total{model_name="m",tp_rank="1"} 40.0
+sglang:oea_decode_steps_applied_total{model_name="m",tp_rank="0"} 40.0
+sglang:oea_decode_steps_skipped_total{model_name="m",reason="not_decode",tp_rank="0"} 9.0
+sglang:oea_decode_steps_skipped_total{model_name="m",reason="below_min_batch",tp_rank="0"} 10.0
+sglang:oea_decode_steps_skipped_total{model_name="m",reason="below_min_batch",tp_rank="1"} 10.0
+sglang:num_running_reqs{model_name="m"} 0.0
+"""
+
+
+def test_applied_share_from_metrics():
+    applied = qa.applied_share(METRICS_BEFORE, METRICS_AFTER)
+    assert applied["tp_rank"] == "0"  # the lowest rank, numerically ("10" > "1" > "0")
+    assert (applied["applied_steps"], applied["decode_steps"]) == (30.0, 40.0)  # not_decode is not a decode step
+    assert applied["share"] == pytest.approx(0.75)
+    assert applied["skipped_steps"] == {"not_decode": 6.0, "below_min_batch": 10.0}
+    assert qa.applied_share("sglang:num_running_reqs 0\n", "sglang:num_running_reqs 0\n") is None
+    assert qa.applied_share(None, METRICS_AFTER) is None
+
+
+# ----------------------------------------------------------------------------- input validation
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def test_load_prompts_ok(tmp_path):
+    lines = ['{"prompt": "a", "answer": 3}', "", '{"prompt": "b", "answer": "x", "answer_regex": "(x)"}',
+             '{"prompt": "c"}']
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    items = qa.load_prompts(path, qa.compile_regex(r"(\d+)", "--answer-regex"))
+    assert [(it.prompt, it.answer) for it in items] == [("a", "3"), ("b", "x"), ("c", None)]
+    assert items[0].regex.pattern == r"(\d+)" and items[1].regex.pattern == "(x)"
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "a"}', '{"prompt": "b"'], "p.jsonl:2: not valid JSON"),
+    (['{"prompt": "a"}', "", '{"answer": 1}'], "p.jsonl:3: field 'prompt'"),
+    (['{"prompt": 5}'], "p.jsonl:1: field 'prompt'"),
+    (['["prompt"]'], "p.jsonl:1: expected a JSON object"),
+    (['{"prompt": "a", "answer": [1]}'], "p.jsonl:1: field 'answer'"),
+    (['{"prompt": "a", "answer_regex": "(unclosed"}'], "p.jsonl:1: field 'answer_regex': invalid regex"),
+    ([""], "holds no prompts"),
+])
+def test_load_prompts_errors(tmp_path, lines, message):
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    with pytest.raises(qa.InputError, match=message):
+        qa.load_prompts(path)
+
+
+def test_cli_input_errors_exit_nonzero(tmp_path, capsys):
+    prompts = write_lines(tmp_path / "p.jsonl", ['{"prompt": "a"}'])
+    common = ["--concurrency", "2", "--max-tokens", "4", "--out", str(tmp_path / "out")]
+    url = ["--base-url", "http://127.0.0.1:9", "--oea-url", "http://127.0.0.1:9"]
+    cases = [(["--prompts", str(tmp_path / "missing.jsonl")], "no such file"),
+             (["--prompts", prompts, "--answer-regex", "a("], "--answer-regex: invalid regex"),
+             (["--prompts", prompts, "--concurrency", "0"], "--concurrency must be at least 1")]
+    for extra, message in cases:
+        assert qa.main(url + common + extra) == 2
+        assert message in capsys.readouterr().err
+    assert qa.main(["--prompts", prompts] + common) == 2
+    assert "--base-url" in capsys.readouterr().err
+    saved = write_lines(tmp_path / "arm.json", [json.dumps({"prompts_sha256": "0" * 64})])
+    assert qa.main(["--prompts", prompts, "--oea-url", "http://127.0.0.1:9", "--baseline-from", saved] + common) == 2
+    assert "prompts_sha256" in capsys.readouterr().err
+    assert qa.main(["--prompts", prompts] + url + common) == 1  # nothing listens on port 9
+    assert "server error" in capsys.readouterr().err
+
+
+def test_script_exits_nonzero_on_bad_line(tmp_path):
+    prompts = write_lines(tmp_path / "p.jsonl", ['{"prompt": "a"}', "not json"])
+    argv = ["--base-url", "http://127.0.0.1:9", "--oea-url", "http://127.0.0.1:9", "--prompts", prompts,
+            "--concurrency", "1", "--max-tokens", "1", "--out", str(tmp_path / "o")]
+    proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "p.jsonl:2: not valid JSON" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- real servers
+
+
+def arithmetic_prompts(count, seed=0):
+    """Synthetic sums with answers: half carry their own regex, half use --answer-regex."""
+    rng = Random(seed)
+    lines = []
+    for i in range(count):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        line = {"prompt": f"Q: What is {a} plus {b}?\nA: {a} + {b} =", "answer": a + b}
+        if i % 2:
+            line["answer_regex"] = r"(-?\d+)"
+        lines.append(json.dumps(line))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("quality_model") / "qwen3_moe"), "qwen3_moe", "--random-weights")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_lines(tmp_path_factory.mktemp("quality_prompts") / "sums.jsonl", arithmetic_prompts(NUM_PROMPTS))
+
+
+@contextmanager
+def serve_url(tmp_path_factory, model, *flags, plugins=True):
+    """A cpu_serve server's base URL, with the flags every server of this file shares."""
+    with serve(tmp_path_factory, model, *COMMON_FLAGS, *flags, plugins=plugins) as (base, _):
+        yield base
+
+
+def run_tool(prompts, out, *arms):
+    """quality_ab.main at the test's concurrency; quality.json (None when only one arm ran)."""
+    argv = ["--prompts", prompts, "--answer-regex", r"(-?\d+)", "--concurrency", str(CONCURRENCY),
+            "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--out", str(out), *arms]
+    assert qa.main(argv) == 0
+    path = os.path.join(out, "quality.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, model, prompts):
+    """Plain SGLang against itself (with a noise-floor rerun); its saved baseline arm and report."""
+    out = tmp_path_factory.mktemp("quality_baseline")
+    with serve_url(tmp_path_factory, model, plugins=False) as url:
+        report = run_tool(prompts, out, "--base-url", url, "--oea-url", url, "--noise-floor")
+    return {"arm": str(out / "arm_baseline.json"), "report": report, "out": out}
+
+
+def check_report_structure(report, out):
+    """Fields present and every interval well formed (values are near random with dummy weights)."""
+    assert (report["n_prompts"], report["concurrency"], report["max_tokens"]) == (NUM_PROMPTS, CONCURRENCY, MAX_TOKENS)
+    assert report["agreement"]["positions_compared"] == NUM_PROMPTS * MAX_TOKENS  # --ignore-eos: full length
+    accuracy = report["accuracy"]
+    assert accuracy["n"] == NUM_PROMPTS
+    for arm in ("baseline", "oea"):
+        low, high = accuracy[arm]["ci95"]
+        assert 0 <= low <= accuracy[arm]["accuracy"] <= high <= 1 and high > low
+    diff = accuracy["paired_difference"]
+    assert diff["ci95"][0] <= diff["mean"] <= diff["ci95"][1] and 0 <= diff["mcnemar_exact_p"] <= 1
+    assert diff["mean"] == pytest.approx(accuracy["oea"]["accuracy"] - accuracy["baseline"]["accuracy"])
+    markdown = open(os.path.join(out, "quality.md")).read()
+    assert markdown.startswith("| metric | value |") and "token agreement (positional)" in markdown
+    rows = [json.loads(line) for line in open(os.path.join(out, "outputs.jsonl"))]
+    assert len(rows) == NUM_PROMPTS and all("extracted" in row for row in rows)
+
+
+@server
+def test_same_server_in_both_arms_is_identical(baseline):
+    report = baseline["report"]
+    check_report_structure(report, baseline["out"])
+    for section in (report["agreement"], report["noise_floor"]):
+        assert section["identical_share"] == 1.0 and section["token_agreement"] == 1.0
+        assert section["first_divergence"]["count"] == 0
+    assert report["oea_applied"] is None
+    assert any("no OEA counters" in w for w in report["warnings"])
+
+
+@server
+def test_k0_at_least_top_k_is_identical(tmp_path_factory, model, prompts, baseline):
+    out = tmp_path_factory.mktemp("quality_k0_8")
+    with serve_url(tmp_path_factory, model, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as url:
+        report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
+    check_report_structure(report, out)
+    assert report["agreement"]["identical_share"] == 1.0
+    assert report["agreement"]["token_agreement"] == 1.0
+    assert report["oea_applied"] is None or not report["oea_applied"]["applied_steps"]
+
+
+@server
+def test_k0_1_diverges_and_reports_applied_steps(tmp_path_factory, model, prompts, baseline):
+    out = tmp_path_factory.mktemp("quality_k0_1")
+    with serve_url(tmp_path_factory, model, "--oea-k0", "1", "--oea-min-batch", "2") as url:
+        report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
+    check_report_structure(report, out)
+    agreement = report["agreement"]
+    assert agreement["identical_share"] < 1 and agreement["token_agreement"] < 1
+    divergence = agreement["first_divergence"]
+    assert divergence["count"] == NUM_PROMPTS - agreement["identical"]
+    assert 0 <= divergence["min"] <= divergence["median"] <= divergence["max"] < MAX_TOKENS
+    assert sum(h["count"] for h in divergence["histogram"]) == divergence["count"]
+    applied = report["oea_applied"]
+    assert applied["tp_rank"] == "0" and applied["share"] > 0 and applied["applied_steps"] > 0
+    assert not report["warnings"]
