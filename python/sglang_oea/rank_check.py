@@ -9,9 +9,12 @@ covered too), and every N decode steps the ranks compare their checksums over th
 No SGLang import: the caller passes the process group.
 """
 
+import logging
 from typing import List, Optional
 
 import torch
+
+logger = logging.getLogger("sglang_oea")
 
 # Odd 64-bit mixing constants (splitmix64's), as signed int64; products wrap.
 MIX1 = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -78,5 +81,7 @@ class RankCheck:
         gathered = self.gather(checksums)
         layers = mismatched_layers(gathered)
         if layers:
-            raise RankDivergenceError(describe_mismatch(gathered, layers, decode_step))
+            message = describe_mismatch(gathered, layers, decode_step)
+            logger.error(message)  # one log line per rank, besides the traceback SGLang prints
+            raise RankDivergenceError(message)
         self.checks += 1

@@ -41,11 +41,11 @@ def models(tmp_path_factory):
 
 
 @contextmanager
-def serve(tmp_path_factory, model, *flags, plugins=True):
+def serve(tmp_path_factory, model, *flags, plugins=True, extra_env=None):
     """A cpu_serve server for `model` with `flags`. plugins=False runs plain SGLang (no plugin); a
     string is SGLang's plugin whitelist (SGLANG_PLUGINS), e.g. the CPU harness alone at --tp 2."""
     port = free_port()
-    env = child_env()
+    env = {**child_env(), **(extra_env or {})}
     env.pop("_SGLANG_OEA_CONFIG", None)
     if plugins is not True:
         env["SGLANG_PLUGINS"] = plugins or "none-loaded"  # SGLang's whitelist; an unknown name loads none

@@ -11,6 +11,9 @@ they can fail. One server at a time (2 cores).
 
 import os
 import re
+import textwrap
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -26,9 +29,10 @@ RANKS = ("0", "1")
 
 
 def rank_lines(log, pattern):
-    """{rank: number of log lines matching pattern} for the lines SGLang prefixed with 'TP<rank>'."""
+    """{rank: number of log lines matching pattern} for the lines SGLang prefixed with 'TP<rank>'.
+    log: a log file's path, or its lines."""
     counts = {}
-    for line in open(log):
+    for line in open(log) if isinstance(log, str) else log:
         found = re.search(r"\bTP(\d+)\]", line)
         if found and re.search(pattern, line):
             counts[found.group(1)] = counts.get(found.group(1), 0) + 1
@@ -120,3 +124,47 @@ def test_ranks_route_alike_under_load(request, tmp_path_factory, models, arch, k
             # time) changes greedy outputs.
             assert greedy_texts(base) != request.getfixturevalue("plain_tp2")
     assert rank_lines(log, rf"sglang-oea rank \d: OEA on, k0={k0} .* check_ranks=1") == {"0": 1, "1": 1}
+
+
+# Loaded by every server process through PYTHONPATH: the last rank's layer-0 checksum, as every rank
+# gathers it, is off by one, as if that rank had routed one expert differently.
+FAULT = textwrap.dedent("""
+    import sglang_oea.rank_check as rank_check
+
+    gather = rank_check.RankCheck.gather
+
+    def gather_with_a_diverged_rank(self, checksums):
+        gathered = gather(self, checksums)
+        gathered[-1, 0] += 1
+        return gathered
+
+    rank_check.RankCheck.gather = gather_with_a_diverged_rank
+""")
+
+
+def test_a_rank_divergence_stops_the_server(tmp_path_factory, models):
+    fault = tmp_path_factory.mktemp("fault")
+    (fault / "sitecustomize.py").write_text(FAULT)
+    env = {"PYTHONPATH": os.pathsep.join([str(fault), os.environ.get("PYTHONPATH", "")])}
+    flags = ("--oea-k0", "3", "--oea-min-batch", "2", "--oea-check-ranks", "40", *TP)
+    with serve(tmp_path_factory, models["qwen3_moe"], *flags, extra_env=env) as (base, log):
+        try:
+            concurrent(base, 4, 64)  # past decode step 40: the first check fails
+        except Exception:
+            pass  # the server goes down under the requests
+        deadline = time.time() + 120
+        while time.time() < deadline and server_up(base):
+            time.sleep(2)
+        assert not server_up(base)
+    text = open(log).read()
+    pattern = r"ranks routed different experts \(decode step 40; layer 0: rank 0=0x[0-9a-f]+, rank 1=0x[0-9a-f]+\)"
+    assert rank_lines(text.splitlines(), pattern) == {"0": 1, "1": 1}
+    assert "restart without --oea-k0" in text
+
+
+def server_up(base):
+    try:
+        urllib.request.urlopen(base + "/health", timeout=5)
+        return True
+    except Exception:
+        return False
