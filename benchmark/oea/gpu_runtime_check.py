@@ -26,7 +26,9 @@ test/srt/test_graph_path.py) and static input buffers: bf16 router logits, int32
      a passing self-check; the torch scenario: torch, not run).
 Scenarios: the kernel with max_batch below the bucket (run first, in a process that has launched no
 kernel of these shapes yet: the warm-ups run with the gate closed and must still compile everything
-the capture launches), the kernel with no cap, and the torch path (OEAConfig(kernel="torch")).
+the capture launches), the kernel with no cap, the torch path (OEAConfig(kernel="torch")), and a
+speculative verify graph: begin_step(VERIFY, requests x drafts rows, requests=...), the bucket and
+the replays counted in requests, every draft token a row, the gate on requests.
 
 On the CPU (the dry run, TRITON_INTERPRET=1) check 5 runs the same sequence on small shapes without
 a graph: the "captured" forward and every "replay" re-run the layers with
@@ -49,7 +51,7 @@ from sglang_oea import runtime as runtime_module
 from sglang_oea.config import OEAConfig
 from sglang_oea.reference import distinct_experts
 from sglang_oea.routing import RouterSpec, route_from_logits, score_experts
-from sglang_oea.runtime import DECODE, SKIP_ABOVE_MAX, SKIP_BELOW_MIN, OEARuntime
+from sglang_oea.runtime import DECODE, SKIP_ABOVE_MAX, SKIP_BELOW_MIN, VERIFY, OEARuntime
 
 ROUTED_SCALING = 2.5  # the router's weights are renormalised, then scaled (GLM / DeepSeek style)
 
@@ -79,18 +81,26 @@ class Scenario:
     k0: int
     max_batch: int
     bucket: int
-    rows: Tuple[int, ...]  # real rows of the replays
+    rows: Tuple[int, ...]  # real rows of the replays (requests, for a verify scenario)
     min_batch: int = 4
+    drafts: int = 1  # token rows per request: > 1 is a speculative verify graph
+
+    @property
+    def mode(self) -> str:
+        return VERIFY if self.drafts > 1 else DECODE
 
 
 def scenarios(use_graph: bool) -> Tuple[Scenario, ...]:
     if use_graph:
         capped = Scenario("kernel, max_batch 48 < bucket", "auto", 3, 48, 64, (64, 61, 48, 23, 4, 2))
         return (capped, Scenario("kernel, no cap", "auto", 4, 0, 64, (64, 61, 23, 5, 3)),
-                replace(capped, name="torch path, max_batch 48", kernel="torch"))
+                replace(capped, name="torch path, max_batch 48", kernel="torch"),
+                Scenario("kernel, verify 4 drafts, max_batch 12 < bucket", "auto", 3, 12, 16, (16, 13, 12, 5, 4, 3, 1),
+                         drafts=4))
     # The interpreter is slow (~30 ms per row and launch): one kernel scenario, small shapes.
     capped = Scenario("kernel, max_batch 8 < bucket", "auto", 3, 8, 12, (12, 9, 8, 4, 2))
-    return capped, replace(capped, name="torch path, max_batch 8", kernel="torch")
+    return (capped, replace(capped, name="torch path, max_batch 8", kernel="torch"),
+            Scenario("kernel, verify 3 drafts, max_batch 2 < bucket", "auto", 3, 2, 3, (3, 2, 1), min_batch=2, drafts=3))
 
 
 @dataclass
@@ -185,9 +195,11 @@ def forward(rt: OEARuntime, layers: Sequence[Layer]) -> Dict[int, Optional[tuple
 
 
 @contextlib.contextmanager
-def forward_step(rt: OEARuntime, rows: int, graph: bool = False):
-    """An outermost forward context, as the forward-context hook opens and closes it."""
-    previous = rt.begin_step(DECODE, rows, graph=graph)
+def forward_step(rt: OEARuntime, rows: int, graph: bool = False, drafts: int = 1):
+    """An outermost forward context, as the forward-context hook opens and closes it: a decode step of
+    `rows` requests, or with drafts > 1 a verify step of `rows` requests x `drafts` token rows."""
+    mode = VERIFY if drafts > 1 else DECODE
+    previous = rt.begin_step(mode, rows * drafts, graph=graph, requests=rows)
     try:
         yield
         rt.end_step()
@@ -335,14 +347,14 @@ class GraphCapture:
             self.outputs = fn()
         return self.outputs
 
-    def replay(self, rt: OEARuntime, bucket: int):
+    def replay(self, rt: OEARuntime, bucket: int, drafts: int = 1):
         """Inside the replay's forward context: on the CPU the captured Python path runs again in the
         bucket's graph context, as the graph would replay it."""
         if self.use_graph:
             self.graph.replay()
             torch.cuda.synchronize()
             return self.outputs
-        outer = rt.begin_step(DECODE, bucket, graph=True, outermost=False)
+        outer = rt.begin_step(rt.step.mode, bucket * drafts, graph=True, outermost=False, requests=bucket)
         try:
             with self.capturing():
                 return self.fn()
@@ -359,8 +371,10 @@ def gate_open(sc: Scenario, rows: int) -> bool:
     return rows >= sc.min_batch and (sc.max_batch == 0 or rows <= sc.max_batch)
 
 
-def verify_layer(layer: Layer, out, rows: int, sc: Scenario) -> Tuple[Optional[str], List[int]]:
-    """(None or what is wrong, what the layer's counters should add: (1, T before, T after) if open)."""
+def verify_layer(layer: Layer, out, requests: int, sc: Scenario) -> Tuple[Optional[str], List[int]]:
+    """(None or what is wrong, what the layer's counters should add: (1, T before, T after) if open).
+    The gate counts requests; the union and the counters are over their requests x drafts rows."""
+    rows = requests * sc.drafts
     where = f"layer {layer.layer_id} ({layer.shape.name}) rows={rows}"
     if out is None:
         return f"{where}: route returned None under capture (not routed)", [0, 0, 0]
@@ -368,7 +382,7 @@ def verify_layer(layer: Layer, out, rows: int, sc: Scenario) -> Tuple[Optional[s
     ids, w = layer.ids.cpu(), layer.weights.cpu()
     if got_ids.dtype != ids.dtype or got_w.dtype != w.dtype or got_ids.shape != ids.shape:
         return f"{where}: output {got_ids.dtype}/{got_w.dtype} {tuple(got_ids.shape)}", [0, 0, 0]
-    if not gate_open(sc, rows):
+    if not gate_open(sc, requests):
         same = torch.equal(got_ids, ids) and torch.equal(got_w.view(torch.int32), w.view(torch.int32))
         return (None if same else f"{where}: gate closed, yet the output is not the router's bit for bit"), [0, 0, 0]
     K, N = layer.shape.top_k, layer.shape.experts
@@ -410,11 +424,12 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     """One scenario: (failures, its report row, {kernel variant: compiled kernel} of its warm-ups)."""
     failures = []
     gen = torch.Generator().manual_seed(SEED + zlib.crc32(sc.name.encode()))
-    layers = make_layers(shapes, sc.bucket, gen, device)
-    rt = OEARuntime(OEAConfig(k0=sc.k0, min_batch=sc.min_batch, max_batch=sc.max_batch, kernel=sc.kernel))
+    layers = make_layers(shapes, sc.bucket * sc.drafts, gen, device)
+    rt = OEARuntime(OEAConfig(k0=sc.k0, min_batch=sc.min_batch, max_batch=sc.max_batch, kernel=sc.kernel),
+                    speculative=sc.drafts > 1)
     self_checks = time_self_checks(rt, watch)
     graph = GraphCapture(use_graph)
-    with LaunchRecorder() as recorder, forward_step(rt, sc.bucket, graph=True):
+    with LaunchRecorder() as recorder, forward_step(rt, sc.bucket, graph=True, drafts=sc.drafts):
         with graph.warm_up_stream():
             for _ in range(2):
                 forward(rt, layers)
@@ -440,9 +455,9 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     results = []
     for rows in sc.rows:
         refill(layers, gen)
-        with forward_step(rt, rows):
-            rt.set_replay_rows(rows)
-            outputs = graph.replay(rt, sc.bucket)
+        with forward_step(rt, rows, drafts=sc.drafts):
+            rt.set_replay_rows(rows * sc.drafts)
+            outputs = graph.replay(rt, sc.bucket, sc.drafts)
             rt.note_replay(sc.bucket)
         errors = []
         for layer in layers:
@@ -461,15 +476,15 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     opened = sum(gate_open(sc, rows) for rows in sc.rows)
     want_skips = Counter(SKIP_BELOW_MIN if rows < sc.min_batch else SKIP_ABOVE_MAX
                          for rows in sc.rows if not gate_open(sc, rows))
-    counted = (rt.decode_steps, rt.applied_steps, dict(rt.skipped_steps))
+    counted = (rt.steps_of(sc.mode), rt.applied_steps, dict(rt.skipped_steps))
     accounting_ok = counted == (len(sc.rows), opened, dict(want_skips))
     if not accounting_ok:
-        failures.append(f"{sc.name}: (decode steps, applied, skipped) = {counted}, expected "
+        failures.append(f"{sc.name}: ({sc.mode} steps, applied, skipped) = {counted}, expected "
                         f"{(len(sc.rows), opened, dict(want_skips))}")
     hook = "-" if compiles is None else str(compiles)
     cache = "-" if growth is None else f"+{growth}"
     row = (f"| {sc.name} | {sc.kernel}, k0={sc.k0}, gate {sc.min_batch}..{sc.max_batch or 'no cap'}, bucket "
-           f"{sc.bucket} | {'; '.join(self_checks) or '-'} | {hook} / {cache} | "
+           f"{sc.bucket}{f' x {sc.drafts} drafts' if sc.drafts > 1 else ''} | {'; '.join(self_checks) or '-'} | {hook} / {cache} | "
            f"{len(recorder.launched[False])} / {len(recorder.launched[True])} ({len(fresh)} new) | "
            f"{' '.join(results)} | {'ok' if stats_ok else 'FAIL'}, {'ok' if accounting_ok else 'FAIL'} |")
     return failures, row, recorder.compiled

@@ -18,10 +18,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIN_BATCH = 4
 DEPRECATED_ENV_K0 = "SGLANG_OEA_K0"
 KERNEL_CHOICES = ("auto", "triton", "torch")
+SWITCH_CHOICES = {"on": True, "off": False}
 # The keywords of sglang.Engine(...), named like the flags' argparse destinations.
 ENGINE_KEYWORDS = (
     "oea_k0", "oea_min_batch", "oea_max_batch", "oea_disable_stats", "oea_kernel",
-    "oea_dump_router_logits", "oea_dump_steps", "oea_check_ranks",
+    "oea_dump_router_logits", "oea_dump_steps", "oea_check_ranks", "oea_verify",
 )
 
 
@@ -30,7 +31,8 @@ class OEAConfig:
     """The OEA settings of one server.
 
     k0: experts each token keeps as its base; None turns OEA off.
-    min_batch: OEA applies only to decode batches with at least this many real requests.
+    min_batch: OEA applies only to decode batches with at least this many real requests (in
+        speculative verify passes too: requests, not their draft tokens).
     max_batch: OEA is skipped above this many real requests; 0 = no cap.
     stats: count distinct experts before/after OEA on the device (for /metrics).
     kernel: "auto" (the fused Triton kernel on CUDA after a passing startup self-check, else
@@ -39,6 +41,7 @@ class OEAConfig:
     dump_steps: how many decode steps to record (bounded).
     check_ranks: every this many decode steps, tensor-parallel ranks compare checksums of the
         experts OEA chose and stop the server if they differ; 0 = off.
+    verify: route the target model's speculative-decoding verify passes (--oea-verify on/off).
     """
 
     k0: Optional[int] = None
@@ -49,6 +52,7 @@ class OEAConfig:
     dump_router_logits: Optional[str] = None
     dump_steps: int = 32
     check_ranks: int = 0
+    verify: bool = True
 
     def __post_init__(self):
         _require_int("--oea-k0", self.k0, minimum=1, allow_none=True)
@@ -60,6 +64,8 @@ class OEAConfig:
             raise ValueError(f"--oea-kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
         if not isinstance(self.stats, bool):
             raise ValueError(f"stats must be True or False (--oea-disable-stats turns it off), got {self.stats!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"--oea-verify must be on or off (oea_verify: True or False), got {self.verify!r}")
         if self.dump_router_logits and not self.enabled:
             raise ValueError("--oea-dump-router-logits records only with --oea-k0 set; to record without changing "
                              "any expert, give --oea-k0 the model's top-k")
@@ -82,7 +88,7 @@ class OEAConfig:
         cap = self.max_batch or "none"
         return (
             f"k0={self.k0} min_batch={self.min_batch} max_batch={cap} stats={'on' if self.stats else 'off'} "
-            f"kernel={self.kernel} check_ranks={self.check_ranks or 'off'}"
+            f"kernel={self.kernel} check_ranks={self.check_ranks or 'off'} verify={'on' if self.verify else 'off'}"
         )
 
 
@@ -92,6 +98,15 @@ def _require_int(flag: str, value: Any, minimum: int, allow_none: bool = False) 
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def parse_switch(flag: str, value: Any) -> bool:
+    """An on/off setting given as "on"/"off" (the flag) or True/False (the Engine keyword)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str) or value not in SWITCH_CHOICES:
+        raise ValueError(f"{flag} must be one of {', '.join(SWITCH_CHOICES)} (or True / False), got {value!r}")
+    return SWITCH_CHOICES[value]
 
 
 def parse_int_flag(flag: str, text: str, minimum: int) -> int:
@@ -135,4 +150,6 @@ def build_config(values: Mapping[str, Any], environ: Optional[Mapping[str, str]]
         if not isinstance(disable, bool):
             raise ValueError(f"--oea-disable-stats (oea_disable_stats) must be True or False, got {disable!r}")
         given["stats"] = not disable
+    if "verify" in given:
+        given["verify"] = parse_switch("--oea-verify (oea_verify)", given["verify"])
     return OEAConfig(k0=k0, **given)

@@ -1,15 +1,19 @@
-"""SGLang plugin `oea_cpu_harness`: lets `cpu_serve --tp N` run the real server on the CPU.
+"""SGLang plugin `oea_cpu_harness`: lets `cpu_serve` run `--tp N` and speculative decoding on the CPU.
 
 It changes nothing about routing and does nothing unless the CPU stand-in `sgl_kernel` (see
 cpu_serve) is the one this process would import, so on a GPU machine it is inert.
 
-Why it exists: SGLang 0.5.23 decides whether a process group gets a PyNccl communicator from
-the platform, not from the group's device (`init_model_parallel_group`), so with `--tp 2` on the
-CPU engine every group builds one and fails with "Expected a cuda device, but got: cpu". With
-no NCCL or custom communicator, `GroupCoordinator.all_reduce` on CPU tensors uses
-torch.distributed over the gloo group, which is what a CPU run needs.
+Why it exists:
+- `--tp N`: SGLang 0.5.23 decides whether a process group gets a PyNccl communicator from the
+  platform, not from the group's device (`init_model_parallel_group`), so with `--tp 2` on the
+  CPU engine every group builds one and fails with "Expected a cuda device, but got: cpu". With
+  no NCCL or custom communicator, `GroupCoordinator.all_reduce` on CPU tensors uses
+  torch.distributed over the gloo group, which is what a CPU run needs.
+- `--speculative-algorithm`: the CPU attention backend (`torch_native`) has no target-verify
+  path: it reads `extend_prefix_lens`, which verify batches leave unset, and fails. The hook runs
+  verify passes through `verify_attention` below (tree-masked attention over the KV cache).
 
-It is a separate plugin from `oea` so that a TP>1 baseline can load it alone
+It is a separate plugin from `oea` so that a baseline can load it alone
 (SGLANG_PLUGINS=oea_cpu_harness): plain SGLang routing, on the CPU.
 """
 
@@ -19,6 +23,7 @@ import os
 from sglang_oea.cpu_serve import STUB_DIR
 
 PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
 
 
 def stub_active() -> bool:
@@ -36,6 +41,50 @@ def cpu_group_kwargs(group_ranks, local_rank, backend, *rest, **kwargs):
     return (group_ranks, local_rank, backend), kwargs
 
 
+def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache: bool = True):
+    """Attention of a target-verify pass: each request's D draft tokens see its whole cached prefix
+    (seq_lens[b] tokens) and, among the drafts, those its tree mask marks.
+
+    Args:
+        q: [B * D, Hq * Dqk]; k, v: [B * D, Hkv, Dqk / Dv], written to the KV cache first.
+        forward_batch.spec_info.custom_mask: [B * D * D] bool, mask[b, i, j]: draft i sees draft j
+            (NGRAM on the CPU builds this draft-only mask, not the prefix-wide one; NGRAM is the
+            algorithm this was written and tested for).
+    Returns:
+        [B * D, Hq * Dv].
+    """
+    import torch
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+    rows = forward_batch.batch_size
+    drafts = forward_batch.spec_info.draft_token_num
+    tree = forward_batch.spec_info.custom_mask.view(rows, drafts, drafts).bool()
+    query = q.view(rows, drafts, layer.tp_q_head_num, layer.qk_head_dim).transpose(1, 2)  # [B, Hq, D, Dqk]
+    out = q.new_empty(rows, drafts, layer.tp_q_head_num, layer.v_head_dim)
+    keys, values = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    for b in range(rows):
+        prefix = int(forward_batch.seq_lens[b])
+        slots = backend.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[b], :prefix + drafts].long()
+        mask = torch.cat([tree.new_ones(drafts, prefix), tree[b]], dim=1)  # [D, prefix + D]
+        key = keys[slots].transpose(0, 1).to(query.dtype)  # [Hkv, prefix + D, Dqk]
+        value = values[slots].transpose(0, 1).to(query.dtype)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query[b:b + 1], key[None], value[None], attn_mask=mask, scale=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+        out[b] = attended[0].transpose(0, 1)
+    return out.view(rows * drafts, -1)
+
+
+def verify_aware_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    """AROUND hook: target-verify passes through verify_attention, every other extend unchanged."""
+    if forward_batch.forward_mode.is_target_verify():
+        return verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
 def register() -> None:
     """Entry point `oea_cpu_harness` in the `sglang.srt.plugins` group."""
     if not stub_active():
@@ -43,3 +92,4 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(PARALLEL_GROUP, cpu_group_kwargs, HookType.BEFORE)
+    HookRegistry.register(TORCH_NATIVE_EXTEND, verify_aware_extend, HookType.AROUND)

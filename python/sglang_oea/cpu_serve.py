@@ -8,11 +8,13 @@ are satisfied. This sets that up and then hands over to `sglang serve` in a fres
 - OMP_NUM_THREADS = cores - 1 unless set (one core stays free for the other server processes);
 - --attention-backend torch_native, --disable-cuda-graph, --mem-fraction-static 0.1;
 - the stand-in `sgl_kernel` (sglang_oea/cpu_stub) first on PYTHONPATH, so every process,
-  spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op that is
-  called logs an error and raises;
+  spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op without a
+  CPU body that is called logs an error and raises;
 - with --tp N > 1: SGLANG_CPU_OMP_THREADS_BIND (unless set) gives each rank its own share of
   the cores, since SGLang otherwise wants one NUMA node per rank; the `oea_cpu_harness` plugin
-  (cpu_harness.py) keeps NCCL out of the CPU process groups.
+  (cpu_harness.py) keeps NCCL out of the CPU process groups;
+- with --speculative-algorithm NGRAM: the stand-in's plain-torch speculative ops
+  (cpu_stub/sgl_kernel/cpu_bodies.py) and the harness plugin's verify attention run it.
 A default is added only when the caller did not give that flag.
 """
 

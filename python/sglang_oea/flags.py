@@ -6,12 +6,18 @@ Every refusal raises ValueError with one line naming the flag or setting and the
 
 import argparse
 import logging
+import os
 from typing import Any, Callable, Mapping, Optional
 
-from sglang_oea.config import DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, OEAConfig, build_config, parse_int_flag
+from sglang_oea.config import (
+    DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, SWITCH_CHOICES, OEAConfig, build_config, parse_int_flag,
+)
 from sglang_oea.model_info import SUPPORTED_FAMILIES, MoEShape, read_moe_shape
 
 logger = logging.getLogger(__name__)
+
+# SGLang's switch for DSPARK's ragged ("compact") verify graphs, keyed by token count.
+RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
 # MoE runner backends whose top-k output carries no topk_ids for OEA to rewrite.
 HIDDEN_TOPK_BACKENDS = {
@@ -89,6 +95,11 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
         help="Every N decode steps, compare a checksum of the experts OEA chose across tensor-parallel "
         "ranks and stop the server if they differ (0 = off, the default).",
     )
+    group.add_argument(
+        "--oea-verify", choices=tuple(SWITCH_CHOICES), default=None,
+        help="With --speculative-algorithm: route the target model's verify passes, where it decodes "
+        "(on, the default; every draft token is a row, the batch gate counts requests), or leave them alone (off).",
+    )
 
 
 def config_from_namespace(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> OEAConfig:
@@ -135,8 +146,8 @@ def fallback_backend(resolved: str, quantization: Optional[str]) -> Optional[str
     )
 
 
-def check_serving_mode(get: Callable[[str, Any], Any]) -> None:
-    """Refuse serving modes OEA cannot honour; warn once about the ones it leaves alone."""
+def check_serving_mode(cfg: OEAConfig, get: Callable[[str, Any], Any], environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse serving modes OEA cannot honour; say once how speculative decoding is routed."""
     if get("enable_deterministic_inference", False):
         raise ValueError(
             "--oea-k0 cannot be combined with --enable-deterministic-inference: with OEA a request's "
@@ -146,11 +157,31 @@ def check_serving_mode(get: Callable[[str, Any], Any]) -> None:
         raise ValueError(
             "--oea-k0 does not support --enable-pdmux: its decode streams would share one routing workspace"
         )
-    if get("speculative_algorithm", None):
+    algorithm = get("speculative_algorithm", None)
+    if algorithm:
+        check_speculative(cfg, str(algorithm), os.environ if environ is None else environ)
+
+
+def check_speculative(cfg: OEAConfig, algorithm: str, environ: Mapping[str, str]) -> None:
+    """Under speculative decoding the target model decodes only in verify passes: say whether OEA
+    routes them; refuse the verify layout whose padded rows the routing cannot tell apart."""
+    if not cfg.verify:
         logger.warning(
-            "sglang-oea: with --speculative-algorithm the target model decodes in verify passes, which OEA "
-            "does not route yet; OEA is applied nowhere (counted as skipped, reason target_verify)."
+            "sglang-oea: --oea-verify off with --speculative-algorithm %s: the target model decodes only in "
+            "verify passes, so OEA is applied nowhere (verify passes are counted as skipped, reason target_verify).",
+            algorithm,
         )
+        return
+    if algorithm.upper() == "DSPARK" and environ.get(RAGGED_VERIFY_ENV, "static").lower() == "compact":
+        raise ValueError(
+            f"--oea-verify on does not support {RAGGED_VERIFY_ENV}=compact (per-request verify lengths: the "
+            "routing cannot tell padded rows from real ones); unset it, or pass --oea-verify off"
+        )
+    logger.info(
+        "sglang-oea: --speculative-algorithm %s: OEA routes the target model's verify passes (every draft "
+        "token is a row; --oea-min-batch / --oea-max-batch count requests). --oea-verify off leaves them alone.",
+        algorithm,
+    )
 
 
 def check_kernel(cfg: OEAConfig, get: Callable[[str, Any], Any], cuda_available: Callable[[], bool]) -> None:
@@ -224,7 +255,7 @@ def validate_server(
     check_sglang_version(installed_sglang_version())
     check_parallelism(get)
     check_backend(get("moe_runner_backend", "auto"))
-    check_serving_mode(get)
+    check_serving_mode(cfg, get)
     check_kernel(cfg, get, cuda_available or _cuda_available)
     shape = read_moe_shape(load_hf_config())
     check_model(shape, get("model_path", "?"), cfg)

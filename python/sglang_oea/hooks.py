@@ -11,13 +11,18 @@ Always installed (the flags must parse even when OEA is off); they add nothing e
                                      when OEA is on and `auto` resolved to a MoE backend that hides
                                      topk_ids: a backend that keeps them for this quantization.
 Installed only in processes started while OEA is enabled (the published config is present):
-  topk._post_process_topk_ids          BEFORE  rewrites logical topk ids and weights (decode only).
+  topk._post_process_topk_ids          BEFORE  rewrites logical topk ids and weights (decode and the
+                                               target's verify passes only).
   forward_context.forward_context      AROUND  tells the runtime what each forward pass is; accounts
                                                for it when the outermost pass ends.
   Scheduler.__init__                   AFTER   logs the settings and the kernel choice; metrics.
   SchedulerMetricsReporter.report_decode_stats  BEFORE  exports metrics once per log interval and
                                                  hands SGLang's 'Decode batch' line an OEA summary.
-  DecodeCudaGraphRunner.execute        AROUND  sets the device scalar of real rows before a replay.
+  DecodeCudaGraphRunner.execute        AROUND  sets the device scalar of real token rows before a
+                                               decode- or verify-graph replay.
+  DecodeCudaGraphRunner.capture        AROUND  mark the draft model's graph captures and forward
+  ModelRunner.forward                  AROUND  passes (its runner's is_draft_worker): OEA neither
+                                               routes nor counts them.
 The per-process runtime is created at the first forward pass (CUDA-graph warm-ups run inside
 Scheduler.__init__, before its AFTER hook). Every hook is verified after it is applied; one that
 did not land stops startup with the name of the SGLang function.
@@ -34,7 +39,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from sglang_oea import flags
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
 from sglang_oea.rank_check import RankCheck
-from sglang_oea.runtime import DECODE, OTHER, VERIFY, OEARuntime, graph_capture_active
+from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime, graph_capture_active
 
 logger = logging.getLogger("sglang_oea")
 
@@ -43,16 +48,21 @@ SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 TOPK_POST = "sglang.srt.layers.moe.topk._post_process_topk_ids"
 FORWARD_CONTEXT = "sglang.srt.model_executor.forward_context.forward_context"
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
-GRAPH_EXECUTE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute"
+GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+GRAPH_EXECUTE = f"{GRAPH_RUNNER}.execute"
+GRAPH_CAPTURE = f"{GRAPH_RUNNER}.capture"
+MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 DECODE_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 ENGINE_INIT = "sglang.srt.entrypoints.engine.Engine.__init__"
 RESOLVE = f"{SERVER_ARGS}.resolve_once"
 MOE_RESOLUTION_STEP = "handle_moe_kernel_config"
 CLI_TARGETS = (f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", RESOLVE, ENGINE_INIT)
-ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS, GRAPH_EXECUTE)
+ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS, GRAPH_EXECUTE, GRAPH_CAPTURE,
+                   MODEL_FORWARD)
 
 _runtime: Optional[OEARuntime] = None
 _topk_signature: Optional[inspect.Signature] = None
+_draft_runner = False  # inside a forward pass or graph capture of the draft model's runner
 
 
 class OEAStartupError(ValueError):
@@ -197,8 +207,8 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     shape = read_moe_shape(scheduler.model_config.hf_config)
     model = shape.describe() if shape else "no routed experts"
     state = "no-op (k0 >= top-k)" if shape and cfg.k0 >= shape.top_k else "on"
-    logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s", runtime.rank, state, cfg.describe(), model,
-                runtime.routers.describe())
+    logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s%s", runtime.rank, state, cfg.describe(), model,
+                runtime.routers.describe(), speculative_note(cfg, scheduler.server_args.speculative_algorithm))
     attach_rank_check(runtime)
     metrics.attach(runtime, scheduler)
 
@@ -213,11 +223,30 @@ def attach_rank_check(runtime: OEARuntime) -> None:
         runtime.rank_check = RankCheck(runtime.cfg.check_ranks, group.cpu_group, group.world_size)
 
 
+def speculative_note(cfg: OEAConfig, algorithm: Any) -> str:
+    """The startup line's word on speculative decoding ('' without it)."""
+    if not algorithm:
+        return ""
+    if cfg.verify:
+        return f"; speculative {algorithm}: verify passes routed (rows = requests x draft tokens)"
+    return f"; speculative {algorithm}: verify passes not routed (--oea-verify off), so OEA applies nowhere"
+
+
 def forward_mode_of(forward_batch: Any) -> str:
+    """What OEA makes of a forward pass; the draft model's passes (its runner's, draft-extend) are DRAFT."""
     mode = forward_batch.forward_mode
+    if _draft_runner or mode.is_draft_extend_v2():
+        return DRAFT
     if mode.is_decode():
         return DECODE
     return VERIFY if mode.is_target_verify() else OTHER
+
+
+def token_rows(forward_batch: Any) -> int:
+    """The pass's token rows, which reach the MoE router: requests in decode, requests x draft
+    tokens in a verify pass (eager: all real; graph replay: the real rows before padding)."""
+    input_ids = forward_batch.input_ids
+    return int(forward_batch.batch_size) if input_ids is None else int(input_ids.shape[0])
 
 
 def capture_mode_active() -> bool:
@@ -237,8 +266,9 @@ def _oea_step(inner: Any, forward_batch: Any):
         return
     # SGLang nests forward contexts within one forward pass; the outermost one is the step.
     outermost = runtime.depth == 0
-    previous = runtime.begin_step(forward_mode_of(forward_batch), int(forward_batch.batch_size),
-                                  graph=capture_mode_active(), outermost=outermost)
+    previous = runtime.begin_step(forward_mode_of(forward_batch), token_rows(forward_batch),
+                                  graph=capture_mode_active(), outermost=outermost,
+                                  requests=int(forward_batch.batch_size))
     runtime.depth += 1
     try:
         with inner:
@@ -256,7 +286,7 @@ def forward_context_hook(original: Callable, ctx: Any, *args: Any, forward_batch
 
 def topk_post_hook(*args: Any, **kwargs: Any) -> Optional[Tuple[tuple, dict]]:
     """Rewrite the routed columns before EPLB mapping and padded-row masking."""
-    if _runtime is None or not _runtime.step.decode:
+    if _runtime is None or not _runtime.step.routed:
         return None
     bound = _topk_signature.bind(*args, **kwargs)
     params = bound.arguments
@@ -271,14 +301,40 @@ def topk_post_hook(*args: Any, **kwargs: Any) -> Optional[Tuple[tuple, dict]]:
 
 
 def graph_execute_hook(original: Callable, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Before each decode-graph replay, tell the captured routing how many rows are real; after
-    it, note which bucket was replayed (its capture decides whether this step applied OEA)."""
+    """Before each decode- or verify-graph replay, tell the captured routing how many token rows
+    are real (padded requests' rows come after them); after it, note which bucket (in requests) was
+    replayed: its capture decides whether this step applied OEA."""
     if _runtime is not None:
-        _runtime.set_replay_rows(int(forward_batch.batch_size))
+        _runtime.set_replay_rows(token_rows(forward_batch))
     output = original(runner, forward_batch, *args, **kwargs)
     if _runtime is not None:
         _runtime.note_replay(int(runner.bs))
     return output
+
+
+@contextmanager
+def _runner_scope(model_runner: Any):
+    """While a model runner works: whether it is the draft model's (SGLang's is_draft_worker)."""
+    global _draft_runner
+    previous, _draft_runner = _draft_runner, bool(model_runner.is_draft_worker)
+    try:
+        yield
+    finally:
+        _draft_runner = previous
+
+
+def model_forward_hook(original: Callable, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """Eager passes and graph replays: a draft runner's passes (MTP/EAGLE drafts decode, DFlash
+    drafts verify) are neither routed nor counted."""
+    with _runner_scope(model_runner):
+        return original(model_runner, *args, **kwargs)
+
+
+def graph_capture_hook(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """Graph captures: a draft runner's captures must not stand for the target's graphs of the
+    same bucket in the accounting."""
+    with _runner_scope(runner.model_runner):
+        return original(runner, *args, **kwargs)
 
 
 def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
@@ -353,6 +409,8 @@ def install_routing() -> None:
         (SCHEDULER_INIT, scheduler_init_hook, HookType.AFTER),
         (DECODE_STATS, decode_stats_hook, HookType.BEFORE),
         (GRAPH_EXECUTE, graph_execute_hook, HookType.AROUND),
+        (GRAPH_CAPTURE, graph_capture_hook, HookType.AROUND),
+        (MODEL_FORWARD, model_forward_hook, HookType.AROUND),
     ])
     missing = missing_hooks(ROUTING_TARGETS)
     if missing:

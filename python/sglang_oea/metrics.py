@@ -6,18 +6,18 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_active_experts_before{model_name,tp_rank,layer}  distinct experts/step, router's own
     sglang:oea_active_experts_after{model_name,tp_rank,layer}   distinct experts/step, after OEA
     sglang:oea_active_experts_ratio{model_name,tp_rank}         after / before, all layers
-    sglang:oea_decode_steps_applied_total{model_name,tp_rank}
-    sglang:oea_decode_steps_skipped_total{model_name,tp_rank,reason}
+    sglang:oea_decode_steps_applied_total{model_name,tp_rank,mode}          mode: decode or verify
+    sglang:oea_decode_steps_skipped_total{model_name,tp_rank,mode,reason}   mode: decode, verify or other
     sglang:oea_k0{model_name,tp_rank}
     sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
     sglang:oea_rank_checks_total{model_name,tp_rank}   passed --oea-check-ranks comparisons
-Expert counts are averaged over the decode steps where OEA applied in the last interval.
+Expert counts are averaged over the steps (decode or verify) where OEA applied in the last interval.
 """
 
 import logging
 from typing import Any, Dict, Optional
 
-from sglang_oea.runtime import OEARuntime
+from sglang_oea.runtime import DECODE, ROUTED_MODES, VERIFY, OEARuntime
 
 logger = logging.getLogger("sglang_oea")
 
@@ -25,25 +25,29 @@ logger = logging.getLogger("sglang_oea")
 class PrometheusExport:
     """The OEA metrics of one rank, and the counter values already exported."""
 
-    def __init__(self, model_name: str, rank: int, k0: int):
+    def __init__(self, model_name: str, rank: int, k0: int, speculative: bool = False):
         from prometheus_client import Counter, Gauge
 
         labels = {"model_name": model_name, "tp_rank": str(rank)}
         self.labels = labels
         names = list(labels)
-        self.before = Gauge("sglang:oea_active_experts_before", "Distinct experts per MoE layer per decode step, router's own choice", names + ["layer"], multiprocess_mode="mostrecent")
-        self.after = Gauge("sglang:oea_active_experts_after", "Distinct experts per MoE layer per decode step, after OEA", names + ["layer"], multiprocess_mode="mostrecent")
+        self.before = Gauge("sglang:oea_active_experts_before", "Distinct experts per MoE layer per decode or verify step, router's own choice", names + ["layer"], multiprocess_mode="mostrecent")
+        self.after = Gauge("sglang:oea_active_experts_after", "Distinct experts per MoE layer per decode or verify step, after OEA", names + ["layer"], multiprocess_mode="mostrecent")
         self.ratio = Gauge("sglang:oea_active_experts_ratio", "Distinct experts after OEA / before, all MoE layers", names, multiprocess_mode="mostrecent")
-        self.applied = Counter("sglang:oea_decode_steps_applied", "Decode steps routed with OEA", names)
-        self.skipped = Counter("sglang:oea_decode_steps_skipped", "Forward steps where OEA did not apply", names + ["reason"])
+        self.applied = Counter("sglang:oea_decode_steps_applied", "Decode and verify steps routed with OEA",
+                               names + ["mode"])
+        self.skipped = Counter("sglang:oea_decode_steps_skipped", "Forward steps where OEA did not apply",
+                               names + ["mode", "reason"])
+        # The routed mode this server runs is exported from the start, at 0 (the target model
+        # decodes in verify passes under speculative decoding).
+        self.applied.labels(**labels, mode=VERIFY if speculative else DECODE)
         k0_gauge = Gauge("sglang:oea_k0", "The k0 in force", names, multiprocess_mode="mostrecent")
         k0_gauge.labels(**labels).set(k0)
         self.kernel = Gauge("sglang:oea_kernel_info", "MoE routing shapes per routing implementation and kernel "
                             "self-check result", names + ["kernel", "self_check"], multiprocess_mode="mostrecent")
         self.rank_checks = Counter("sglang:oea_rank_checks", "Passed --oea-check-ranks comparisons", names)
-        self.exported_applied = 0
         self.exported_checks = 0
-        self.exported_skipped: Dict[str, int] = {}
+        self.exported: Dict[tuple, int] = {}  # (mode,) or (mode, reason) -> count already exported
 
     def publish(self, runtime: OEARuntime, layers: Optional[Any]) -> None:
         if layers is not None:
@@ -51,16 +55,21 @@ class PrometheusExport:
                 self.before.labels(**self.labels, layer=str(layer)).set(before / steps)
                 self.after.labels(**self.labels, layer=str(layer)).set(after / steps)
             self.ratio.labels(**self.labels).set(float(layers[:, 2].sum() / layers[:, 1].sum()))
-        self.applied.labels(**self.labels).inc(runtime.applied_steps - self.exported_applied)
-        self.exported_applied = runtime.applied_steps
-        for reason, count in runtime.skipped_steps.items():
-            self.skipped.labels(**self.labels, reason=reason).inc(count - self.exported_skipped.get(reason, 0))
-            self.exported_skipped[reason] = count
+        for mode, count in runtime.applied.items():
+            self.applied.labels(**self.labels, mode=mode).inc(self.new_counts((mode,), count))
+        for (mode, reason), count in runtime.skipped.items():
+            self.skipped.labels(**self.labels, mode=mode, reason=reason).inc(self.new_counts((mode, reason), count))
         if runtime.rank_check is not None:
             self.rank_checks.labels(**self.labels).inc(runtime.rank_check.checks - self.exported_checks)
             self.exported_checks = runtime.rank_check.checks
         for (kernel, result), shapes in runtime.routers.status().items():
             self.kernel.labels(**self.labels, kernel=kernel, self_check=result).set(shapes)
+
+    def new_counts(self, key: tuple, count: int) -> int:
+        """How much of a runtime counter is not exported yet (and mark it exported)."""
+        new = count - self.exported.get(key, 0)
+        self.exported[key] = count
+        return new
 
 
 def enumerate_layers(layers: Any):
@@ -82,12 +91,15 @@ def attach(runtime: OEARuntime, scheduler: Any) -> None:
     if not getattr(server_args, "enable_metrics", False):
         return
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    _export = PrometheusExport(str(name), runtime.rank, runtime.cfg.k0)
+    _export = PrometheusExport(str(name), runtime.rank, runtime.cfg.k0, runtime.speculative)
 
 
 def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:
-    """The short OEA summary appended to SGLang's 'Decode batch' line."""
-    text = f"OEA k0={runtime.cfg.k0}: applied {runtime.applied_steps}/{runtime.decode_steps} decode steps"
+    """The short OEA summary appended to SGLang's 'Decode batch' line: applied/counted steps per
+    routed mode seen (decode; verify under speculative decoding)."""
+    counts = [f"{runtime.applied[mode]}/{runtime.steps_of(mode)} {mode} steps"
+              for mode in ROUTED_MODES if runtime.steps_of(mode)] or [f"0/0 {DECODE} steps"]
+    text = f"OEA k0={runtime.cfg.k0}: applied {', '.join(counts)}"
     if layers is None:
         return text
     steps, before, after = (float(v) for v in layers[:, :3].sum(dim=0))

@@ -47,7 +47,10 @@ def mismatched_layers(gathered: torch.Tensor) -> List[int]:
 
 def describe_mismatch(gathered: torch.Tensor, layers: List[int], step: int) -> str:
     """The error text: which layers, each rank's checksum for the first few."""
-    shown = "; ".join(f"layer {layer}: " + ", ".join(f"rank {r}={int(v):#x}" for r, v in enumerate(gathered[:, layer]))
+    def hex64(value) -> str:  # the checksum's 64 bits, unsigned
+        return f"{int(value) & (1 << 64) - 1:#018x}"
+
+    shown = "; ".join(f"layer {layer}: " + ", ".join(f"rank {r}={hex64(v)}" for r, v in enumerate(gathered[:, layer]))
                       for layer in layers[:3])
     more = f" (and {len(layers) - 3} more layers)" if len(layers) > 3 else ""
     return (f"sglang-oea: tensor-parallel ranks routed different experts (decode step {step}; {shown}{more}). "

@@ -1,16 +1,20 @@
 """Per-process OEA state and the routing step the SGLang hook calls. No SGLang import.
 
 One OEARuntime lives in each scheduler / TP-worker process. The forward-context hook tells it
-what kind of pass is running (decode, verify or other; its real rows; whether it is a CUDA-graph
-warm-up or capture pass); the routing hook hands it SGLang's top-k output, and it returns the OEA
-ids and weights, or None to leave them alone. Statistics are kept on the device and read by the
-host once per decode-log interval.
+what kind of pass is running (decode, target verify, draft or other; its real token rows and
+requests; whether it is a CUDA-graph warm-up or capture pass); the routing hook hands it SGLang's
+top-k output, and it returns the OEA ids and weights, or None to leave them alone. Statistics are
+kept on the device and read by the host once per decode-log interval.
+
+Routed passes: DECODE (rows = requests) and, under speculative decoding, the target model's
+TARGET_VERIFY passes (rows = requests x draft tokens). In both, every real row is a token of the
+union and padded rows are excluded; the batch gate (min_batch / max_batch) counts requests.
 
 Accounting is done when the outermost forward pass ends, from what actually happened in it: a
-decode step counts as applied only if OEA rewrote its ids (eagerly, or by replaying a CUDA graph
+routed pass counts as applied only if OEA rewrote its ids (eagerly, or by replaying a CUDA graph
 whose capture rewrote them); otherwise it is skipped with the reason. Warm-up and capture passes
-are not serving steps and are not counted; under speculative decoding, decode passes belong to the
-draft model and are not counted either.
+are not serving steps and are not counted; neither are the draft model's passes (under
+speculative decoding, every DECODE pass belongs to the draft model).
 """
 
 import logging
@@ -29,7 +33,8 @@ from sglang_oea.routing import RouterSpec
 
 logger = logging.getLogger(__name__)
 
-DECODE, VERIFY, OTHER = "decode", "verify", "other"
+DECODE, VERIFY, DRAFT, OTHER = "decode", "verify", "draft", "other"
+ROUTED_MODES = (DECODE, VERIFY)
 SKIP_BELOW_MIN = "below_min_batch"
 SKIP_ABOVE_MAX = "above_max_batch"
 SKIP_NOT_DECODE = "not_decode"
@@ -47,7 +52,7 @@ class PassTally:
     rewrote: bool = False  # OEA rewrote the ids of some MoE layer
     unsupported: bool = False  # a target MoE layer has a router OEA does not handle
     noop: bool = False  # k0 >= the layer's top-k
-    replayed_bucket: Optional[int] = None  # the decode graph replayed for this pass
+    replayed_bucket: Optional[int] = None  # the graph (bucket in requests) replayed for this pass
     rows_written: bool = False  # the device row count holds this pass's real rows
 
     def outcome(self) -> Optional[str]:
@@ -59,18 +64,30 @@ class PassTally:
 
 @dataclass
 class StepInfo:
-    """What the current forward pass is: set by the forward-context hook."""
+    """What the current forward pass is: set by the forward-context hook.
+
+    num_rows: the pass's token rows: requests in decode, requests x draft tokens in verify (graph
+        warm-up and capture passes: the bucket's rows, padding included).
+    requests: the pass's requests (the bucket size in graph passes); the batch gate counts these.
+    """
 
     mode: str = OTHER
     num_rows: int = 0
-    apply: bool = False  # the host batch gate (real rows; eager passes)
-    graph: bool = False  # a CUDA-graph warm-up or capture pass (num_rows is the bucket size)
-    index: int = -1  # decode steps counted before this one (router dumps)
+    requests: int = 0
+    apply: bool = False  # the host batch gate (real requests; eager passes)
+    graph: bool = False  # a CUDA-graph warm-up or capture pass
+    index: int = -1  # routed steps counted before this one (router dumps)
     tally: PassTally = field(default_factory=PassTally)
 
     @property
-    def decode(self) -> bool:
-        return self.mode == DECODE
+    def routed(self) -> bool:
+        """A pass whose MoE layers OEA may route (decode, or the target's verify)."""
+        return self.mode in ROUTED_MODES
+
+    @property
+    def rows_per_request(self) -> int:
+        """Token rows per request: 1 in decode, the draft tokens per request in verify."""
+        return max(1, self.num_rows // self.requests) if self.requests else 1
 
 
 def graph_capture_active() -> bool:
@@ -219,10 +236,10 @@ class OEARuntime:
         self.speculative = speculative
         self.step = StepInfo()
         self.device: Optional[DeviceState] = None
-        self.decode_steps = 0
-        self.applied_steps = 0
-        self.skipped_steps: Counter = Counter()
-        self.captured: Dict[int, Optional[str]] = {}  # graph bucket -> outcome of its capture pass
+        self.routed_steps = 0  # decode and verify steps counted (applied or skipped)
+        self.applied: Counter = Counter()  # pass mode -> steps whose ids OEA rewrote
+        self.skipped: Counter = Counter()  # (pass mode, reason) -> steps without OEA
+        self.captured: Dict[Tuple[str, int], Optional[str]] = {}  # (mode, bucket) -> outcome of its capture
         self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
         self.depth = 0  # nesting of SGLang forward contexts
         self.routers = RouterChoice(cfg.kernel, cfg.k0, rank)
@@ -233,68 +250,97 @@ class OEARuntime:
     def stats(self) -> Optional["ExpertStats"]:
         return None if self.device is None else self.device.stats
 
-    def skip_reason(self, mode: str, num_rows: int) -> Optional[str]:
-        """Why the host gate keeps OEA off this pass, or None when it may apply."""
-        if mode == VERIFY:
+    @property
+    def applied_steps(self) -> int:
+        return sum(self.applied.values())
+
+    @property
+    def skipped_steps(self) -> Counter:
+        """reason -> skipped steps, over all pass modes."""
+        by_reason: Counter = Counter()
+        for (_, reason), count in self.skipped.items():
+            by_reason[reason] += count
+        return by_reason
+
+    def steps_of(self, mode: str) -> int:
+        """Counted steps (applied or skipped) of one pass mode."""
+        return self.applied[mode] + sum(count for (m, _), count in self.skipped.items() if m == mode)
+
+    def pass_mode(self, mode: str) -> str:
+        """The mode OEA treats a pass as: under speculative decoding, decode passes are the draft's."""
+        return DRAFT if mode == DECODE and self.speculative else mode
+
+    def skip_reason(self, mode: str, requests: int) -> Optional[str]:
+        """Why the host gate keeps OEA off this pass, or None when it may apply. The gate counts
+        requests in verify passes too, so one setting means the same concurrency in both modes."""
+        if mode == VERIFY and not self.cfg.verify:
             return SKIP_VERIFY
-        if mode != DECODE:
+        if mode not in ROUTED_MODES:
             return SKIP_NOT_DECODE
-        if num_rows < self.cfg.min_batch:
+        if requests < self.cfg.min_batch:
             return SKIP_BELOW_MIN
-        if self.cfg.max_batch and num_rows > self.cfg.max_batch:
+        if self.cfg.max_batch and requests > self.cfg.max_batch:
             return SKIP_ABOVE_MAX
         return None
 
     def begin_step(self, mode: str = DECODE, num_rows: int = 0, graph: bool = False, outermost: bool = True,
-                   decode: Optional[bool] = None) -> StepInfo:
+                   decode: Optional[bool] = None, requests: Optional[int] = None) -> StepInfo:
         """Enter a forward pass (host ints only: no device sync); returns the previous step.
 
+        num_rows: token rows; requests: the pass's requests (default num_rows, as in decode).
         A nested context (outermost=False) describes the same pass: it shares its tally.
         `decode=True/False` is shorthand for mode DECODE / OTHER.
         """
         if decode is not None:
             mode = DECODE if decode else OTHER
+        mode = self.pass_mode(mode)
+        requests = num_rows if requests is None else requests
         previous = self.step
         tally = PassTally() if outermost else previous.tally
-        index = self.decode_steps if outermost else previous.index
-        apply = self.skip_reason(mode, num_rows) is None
-        self.step = StepInfo(mode=mode, num_rows=num_rows, apply=apply, graph=graph, index=index, tally=tally)
+        index = self.routed_steps if outermost else previous.index
+        apply = self.skip_reason(mode, requests) is None
+        self.step = StepInfo(mode=mode, num_rows=num_rows, requests=requests, apply=apply, graph=graph,
+                             index=index, tally=tally)
         return previous
 
     def end_step(self) -> None:
         """Account for the outermost pass that is ending (see the module docstring)."""
         step = self.step
         if step.graph:
-            if step.decode:  # replays of this bucket rewrite ids iff this capture pass did
-                self.captured[step.num_rows] = step.tally.outcome()
+            if step.routed:  # replays of this bucket rewrite ids iff this capture pass did
+                self.captured[(step.mode, step.requests)] = step.tally.outcome()
             return
-        if step.mode == DECODE and self.speculative:
+        if step.mode == DRAFT:
             return
-        self.decode_steps += int(step.decode)
-        reason = self.skip_reason(step.mode, step.num_rows)
+        reason = self.skip_reason(step.mode, step.requests)
         if reason is None:
-            reason = self.replay_outcome(step.tally) if step.tally.replayed_bucket is not None else step.tally.outcome()
-        if reason is None:
-            self.applied_steps += 1
-            return
-        self.skipped_steps[reason] += 1
-        if reason == SKIP_NO_IDS:
-            self.warn_once(SKIP_NO_IDS, "sglang-oea: a decode step ended without the routing hook seeing any top-k "
-                           "ids; the MoE backend may route inside its kernel. OEA is not applied (metric reason "
-                           "no_topk_ids).")
+            reason = self.replay_outcome(step) if step.tally.replayed_bucket is not None else step.tally.outcome()
+        self.count(step.mode, reason)
 
-    def replay_outcome(self, tally: PassTally) -> Optional[str]:
-        """A replayed decode graph rewrote ids iff its capture pass did (the device gate agrees with
-        the host gate, which already passed)."""
-        return self.captured.get(tally.replayed_bucket, SKIP_NO_IDS)
+    def count(self, mode: str, reason: Optional[str]) -> None:
+        """One serving pass of `mode`: applied (reason None) or skipped with `reason`."""
+        self.routed_steps += int(mode in ROUTED_MODES)
+        if reason is None:
+            self.applied[mode] += 1
+            return
+        self.skipped[(mode, reason)] += 1
+        if reason == SKIP_NO_IDS:
+            self.warn_once(SKIP_NO_IDS, "sglang-oea: a %s step ended without the routing hook seeing any top-k "
+                           "ids; the MoE backend may route inside its kernel. OEA is not applied (metric reason "
+                           "no_topk_ids).", mode)
+
+    def replay_outcome(self, step: StepInfo) -> Optional[str]:
+        """A replayed graph rewrote ids iff its capture pass did (the device gate agrees with the
+        host gate, which already passed)."""
+        return self.captured.get((step.mode, step.tally.replayed_bucket), SKIP_NO_IDS)
 
     def set_replay_rows(self, real_rows: int) -> None:
-        """Before a decode-graph replay: the real rows, for the captured routing to read."""
+        """Before a graph replay: the real token rows, for the captured routing to read."""
         if self.device is not None:
             self.device.rows.fill_(real_rows)
 
     def note_replay(self, bucket: int) -> None:
-        """After a decode-graph replay: which bucket's graph ran in this pass."""
+        """After a graph replay: which bucket's graph (in requests) ran in this pass."""
         self.step.tally.replayed_bucket = bucket
 
     def warn_once(self, key: str, message: str, *args) -> None:
@@ -334,7 +380,7 @@ class OEARuntime:
         """
         step = self.step
         # Draft-model MoE blocks opt out of routed-expert capture; OEA leaves them alone too.
-        if not step.decode or not topk_config.allow_routed_experts_capture:
+        if not step.routed or not topk_config.allow_routed_experts_capture:
             return None
         layer = layer_id or 0
         info = self.layer_routing(layer, topk_config, topk_ids.shape[1])
@@ -359,8 +405,8 @@ class OEARuntime:
             step.tally.noop = True
             return None
         # A graph bucket is gated on the device at replay: only buckets too small for min_batch
-        # can be left out. Eager passes were gated on the host with their real rows.
-        if (graph and step.num_rows < self.cfg.min_batch) or (not graph and not step.apply):
+        # can be left out. Eager passes were gated on the host with their real requests.
+        if (graph and step.requests < self.cfg.min_batch) or (not graph and not step.apply):
             return None
         routed = self.route_layer(layer, info, logits, ids, weights, capturing, graph)
         step.tally.rewrote = True
@@ -393,14 +439,21 @@ class OEARuntime:
         return new_ids, new_weights
 
     def row_count(self, router: str, graph: bool):
-        """(rows, min_batch, max_batch) for the router. Graph passes and the kernel read the real
-        rows from the device scalar and gate on the device; the eager torch path uses host ints
-        (the host gate already passed)."""
+        """(rows, min_rows, max_rows) for the router. Graph passes and the kernel read the real
+        token rows from the device scalar and gate on the device; the eager torch path uses host
+        ints (the host gate already passed).
+
+        The device gate compares token rows, so the request bounds are scaled by the rows per
+        request: a verify pass has requests x draft tokens rows, the same for every request (SGLang
+        replays a verify graph only for batches of its captured width), so the scaled gate opens
+        exactly when the request gate does."""
+        per_request = self.step.rows_per_request
+        lo, hi = self.cfg.min_batch * per_request, self.cfg.max_batch * per_request
         if graph:
-            return self.device.rows, self.cfg.min_batch, self.cfg.max_batch
+            return self.device.rows, lo, hi
         if router == "torch":
             return self.step.num_rows, 1, 0
         if not self.step.tally.rows_written:  # one small device write per eager pass
             self.device.rows.fill_(self.step.num_rows)
             self.step.tally.rows_written = True
-        return self.device.rows, self.cfg.min_batch, self.cfg.max_batch
+        return self.device.rows, lo, hi

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -61,10 +60,12 @@ def test_defaults_mean_off():
 
 def test_all_flags_parse():
     cfg = parse(["--oea-k0", "5", "--oea-min-batch", "8", "--oea-max-batch", "64", "--oea-disable-stats", "--oea-kernel", "torch",
-                 "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3", "--oea-check-ranks", "50"])
+                 "--oea-dump-router-logits", "/tmp/d", "--oea-dump-steps", "3", "--oea-check-ranks", "50", "--oea-verify", "off"])
     assert cfg == OEAConfig(k0=5, min_batch=8, max_batch=64, stats=False, kernel="torch", dump_router_logits="/tmp/d",
-                            dump_steps=3, check_ranks=50)
+                            dump_steps=3, check_ranks=50, verify=False)
     assert "check_ranks=50" in cfg.describe() and "check_ranks=off" in OEAConfig(k0=5).describe()
+    assert cfg.describe().endswith("verify=off") and OEAConfig(k0=5).describe().endswith("verify=on")
+    assert parse(["--oea-k0", "5", "--oea-verify", "on"]).verify and parse(["--oea-k0", "5"]).verify
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -83,14 +84,27 @@ def test_other_sglang_versions_are_refused():
     assert flags.installed_sglang_version() == "0.5.23"
 
 
-def test_bad_kernel_choice_is_refused_by_the_parser(capsys):
+@pytest.mark.parametrize("flag,value,choices", [
+    ("--oea-kernel", "cuda", "'auto', 'triton', 'torch'"),
+    ("--oea-verify", "yes", "'on', 'off'"),
+])
+def test_bad_choices_are_refused_by_the_parser(flag, value, choices, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse(["--oea-k0", "3", "--oea-kernel", "cuda"])
+        parse(["--oea-k0", "3", flag, value])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--oea-kernel" in err and "'auto', 'triton', 'torch'" in err
+    assert flag in err and choices in err
+
+
+def test_bad_choices_are_refused_by_the_config():
     with pytest.raises(ValueError, match="--oea-kernel must be one of auto, triton, torch, got 'cuda'"):
         OEAConfig(k0=3, kernel="cuda")
+    with pytest.raises(ValueError, match=r"--oea-verify \(oea_verify\) must be one of on, off \(or True / False\), got 'yes'"):
+        build_config({"oea_k0": 3, "oea_verify": "yes"})
+    with pytest.raises(ValueError, match="--oea-verify must be on or off"):
+        OEAConfig(k0=3, verify=1)
+    assert build_config({"oea_k0": 3, "oea_verify": False}).verify is False
+    assert build_config({"oea_k0": 3, "oea_verify": "off"}).verify is False
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -243,10 +257,29 @@ def test_resolution_refusal_is_one_line_on_the_command_line(moe_model, auto_reso
                                      "flashinfer_trtllm")
 
 
-def test_speculative_decoding_is_warned_about(moe_model, caplog):
+def test_speculative_decoding_says_whether_verify_passes_are_routed(moe_model, caplog):
+    load = lambda: json.load(open(f"{moe_model}/config.json"))  # noqa: E731
+    with caplog.at_level(logging.INFO):
+        flags.validate_server(OEAConfig(k0=2), settings(moe_model, speculative_algorithm="EAGLE"), load)
+    assert "--speculative-algorithm EAGLE: OEA routes the target model's verify passes" in caplog.text
+    assert "WARNING" not in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
-        flags.validate_server(OEAConfig(k0=2), settings(moe_model, speculative_algorithm="EAGLE"), lambda: json.load(open(f"{moe_model}/config.json")))
-    assert "verify passes, which OEA does not route yet" in caplog.text
+        flags.validate_server(OEAConfig(k0=2, verify=False), settings(moe_model, speculative_algorithm="NGRAM"), load)
+    assert "--oea-verify off with --speculative-algorithm NGRAM" in caplog.text and "OEA is applied nowhere" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        flags.validate_server(OEAConfig(k0=2), settings(moe_model), load)
+    assert "speculative" not in caplog.text
+
+
+def test_compact_ragged_verify_is_refused_with_verify_on():
+    compact = {flags.RAGGED_VERIFY_ENV: "compact"}
+    with pytest.raises(ValueError, match="--oea-verify on does not support SGLANG_RAGGED_VERIFY_MODE=compact"):
+        flags.check_speculative(OEAConfig(k0=2), "DSPARK", compact)
+    flags.check_speculative(OEAConfig(k0=2, verify=False), "DSPARK", compact)
+    flags.check_speculative(OEAConfig(k0=2), "DSPARK", {})
+    flags.check_speculative(OEAConfig(k0=2), "EAGLE", compact)  # only DSPARK verifies ragged batches
 
 
 def test_triton_kernel_needs_cuda(moe_model, monkeypatch):
@@ -318,9 +351,9 @@ def test_engine_keywords_behave_like_the_flags(moe_model, monkeypatch, keywords,
     monkeypatch.setenv(hooks.CONFIG_ENV, "")  # restored after the test: the hook publishes into it
     seen = {}
     hooks.engine_init_hook(lambda self, **kw: seen.update(kw), None, model_path=moe_model, oea_k0=2,
-                           oea_kernel="torch", **keywords)
+                           oea_kernel="torch", oea_verify=stats, **keywords)
     assert not [key for key in seen if key.startswith("oea_")]
-    assert hooks.published_config() == OEAConfig(k0=2, stats=stats, kernel="torch")
+    assert hooks.published_config() == OEAConfig(k0=2, stats=stats, kernel="torch", verify=stats)
     with pytest.raises(ValueError, match="oea_disable_stats\\) must be True or False, got 'yes'"):
         hooks.engine_init_hook(lambda self, **kw: None, None, model_path=moe_model, oea_k0=2, oea_disable_stats="yes")
 

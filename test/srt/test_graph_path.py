@@ -4,7 +4,8 @@ DecodeCudaGraphRunner captures one graph per bucket, largest first: an outer for
 capture mode, two eager warm-up forwards, then the captured forward; each replay first sets the
 real row count. Capture itself needs a GPU (benchmark/oea/gpu_check.py), so here stream capture is
 forced on (`is_capturing`) for the captured forward, and a replay re-runs the captured Python path
-with the device row scalar changed, as the graph would.
+with the device row scalar changed, as the graph would. Under speculative decoding the same runner
+captures the target's verify graphs: a bucket of requests with every draft token a row.
 
 Every test runs in this process with the torch path, and again in a TRITON_INTERPRET=1 child with
 the fused kernel behind the runtime (`test_graph_path_through_the_fused_kernel_in_the_interpreter`).
@@ -13,18 +14,16 @@ The kernel-only tests check that nothing is compiled or allocated inside capture
 
 import importlib
 import os
-import subprocess
-import sys
 import pytest
 import torch
 
-from oea_fixtures import NUM_EXPERTS, TOP_K, router_inputs, topk_config
+from oea_fixtures import NUM_EXPERTS, TOP_K, assert_reference_routing, router_inputs, run_in_interpreter, topk_config
 from sglang_oea import runtime as runtime_module
 from sglang_oea.config import OEAConfig
 from sglang_oea.reference import distinct_experts
 from sglang_oea.routers import GraphCaptureError
 from sglang_oea.routing import RouterSpec, route_from_logits
-from sglang_oea.runtime import DECODE, OEARuntime
+from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime
 
 BUCKET, LAYERS = 16, (0, 3)
 # One TopKConfig per MoE layer kind, as SGLang keeps them for the model's lifetime.
@@ -51,9 +50,10 @@ def run_layers(rt, inputs, config):
     return {layer: rt.route(ids, w, config, logits, layer) for layer, (logits, ids, w) in inputs.items()}
 
 
-def capture_bucket(rt, capture, inputs, bucket, config):
-    """As DecodeCudaGraphRunner.capture_one_shape: capture-mode context, two warm-ups, capture."""
-    previous = rt.begin_step(DECODE, bucket, graph=True)
+def capture_bucket(rt, capture, inputs, bucket, config, mode=DECODE, per_request=1):
+    """As DecodeCudaGraphRunner.capture_one_shape: capture-mode context, two warm-ups, capture.
+    bucket counts requests; a verify graph has per_request (draft tokens) rows for each."""
+    previous = rt.begin_step(mode, bucket * per_request, graph=True, requests=bucket)
     try:
         for _ in range(2):
             run_layers(rt, inputs, config)
@@ -65,13 +65,14 @@ def capture_bucket(rt, capture, inputs, bucket, config):
         rt.step = previous
 
 
-def replay(rt, capture, inputs, bucket, real_rows, config):
-    """One decode step served by the bucket's graph: the step's forward context, the real rows set
-    before the replay, the captured Python path re-run with them, the bucket noted after."""
-    previous = rt.begin_step(DECODE, real_rows)
+def replay(rt, capture, inputs, bucket, real, config, mode=DECODE, per_request=1):
+    """One step served by the bucket's graph: the step's forward context (`real` requests), the
+    real token rows set before the replay, the captured Python path re-run with them, the bucket
+    noted after."""
+    previous = rt.begin_step(mode, real * per_request, requests=real)
     try:
-        rt.set_replay_rows(real_rows)
-        graph_step = rt.begin_step(DECODE, bucket, graph=True, outermost=False)
+        rt.set_replay_rows(real * per_request)
+        graph_step = rt.begin_step(mode, bucket * per_request, graph=True, outermost=False, requests=bucket)
         capture.on = True
         out = run_layers(rt, inputs, config)
         capture.on = False
@@ -92,27 +93,28 @@ def captured(capture):
     return rt, capture, inputs
 
 
+def assert_routed_like_the_reference(out, inputs, real_rows):
+    """Each layer's routing equals sglang_oea.reference over the real rows (k0=3)."""
+    for layer, (logits, ids, weights) in inputs.items():
+        assert_reference_routing(out[layer], logits, ids, weights, 3, real_rows)
+
+
+def assert_router_output(out, inputs):
+    for layer, (logits, ids, weights) in inputs.items():
+        got_ids, got_weights = out[layer]
+        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+
+
 @pytest.mark.parametrize("real_rows", [12, 9, 4])
 def test_replay_equals_reference_for_each_real_row_count(captured, real_rows):
     rt, capture, inputs = captured
-    out = replay(rt, capture, inputs, BUCKET, real_rows, CONFIG)
-    for layer, (logits, ids, weights) in inputs.items():
-        got_ids, got_weights = out[layer]
-        want_ids, want_weights = route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, real_rows)
-        assert torch.equal(got_ids.long(), want_ids) and got_ids.dtype == ids.dtype
-        torch.testing.assert_close(got_weights, want_weights)
-        union = set(got_ids[:real_rows][got_weights[:real_rows] > 0].tolist())
-        assert set(got_ids[real_rows:].flatten().tolist()) <= union, "padded rows stay inside the union"
-        assert bool((got_weights[real_rows:] == 0).all())
+    assert_routed_like_the_reference(replay(rt, capture, inputs, BUCKET, real_rows, CONFIG), inputs, real_rows)
 
 
 @pytest.mark.parametrize("real_rows", [3, 1, 13, 16])
 def test_closed_gate_is_bit_identical_to_the_router(captured, real_rows):
     rt, capture, inputs = captured
-    out = replay(rt, capture, inputs, BUCKET, real_rows, CONFIG)
-    for layer, (logits, ids, weights) in inputs.items():
-        got_ids, got_weights = out[layer]
-        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+    assert_router_output(replay(rt, capture, inputs, BUCKET, real_rows, CONFIG), inputs)
 
 
 def test_stats_count_only_replays_with_an_open_gate(captured):
@@ -130,11 +132,61 @@ def test_stats_count_only_replays_with_an_open_gate(captured):
 
 def test_replays_are_counted_by_what_their_capture_did(captured):
     rt, capture, inputs = captured
-    assert rt.decode_steps == 0 and rt.applied_steps == 0, "warm-up and capture passes are not serving steps"
+    assert rt.steps_of(DECODE) == 0 and rt.applied_steps == 0, "warm-up and capture passes are not serving steps"
     for rows in (9, 2, 14, 4):
         replay(rt, capture, inputs, BUCKET, rows, CONFIG)
-    assert rt.decode_steps == 4 and rt.applied_steps == 2
+    assert rt.steps_of(DECODE) == 4 and rt.applied_steps == 2
     assert rt.skipped_steps == {"below_min_batch": 1, "above_max_batch": 1}
+
+
+# ----------------------------------------------------------------------------- speculative verify graphs
+# A verify graph is captured per bucket of requests, each with DRAFTS token rows, request after
+# request; a replay pads the real requests up to the bucket, so the padded rows come last.
+DRAFTS, VERIFY_BUCKET = 4, 4  # 16 rows, as the decode bucket
+
+
+@pytest.fixture
+def captured_verify(capture):
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2, max_batch=3), speculative=True)
+    inputs = {layer: router_inputs(VERIFY_BUCKET * DRAFTS, seed=10 + layer) for layer in LAYERS}
+    capture_bucket(rt, capture, inputs, VERIFY_BUCKET, CONFIG, mode=VERIFY, per_request=DRAFTS)
+    return rt, capture, inputs
+
+
+def verify_replay(captured_verify, requests):
+    rt, capture, inputs = captured_verify
+    return replay(rt, capture, inputs, VERIFY_BUCKET, requests, CONFIG, mode=VERIFY, per_request=DRAFTS)
+
+
+@pytest.mark.parametrize("requests", [3, 2])
+def test_verify_replay_routes_every_real_draft_token(captured_verify, requests):
+    """Every real verify token is a row of the union; the padded requests' rows are excluded."""
+    assert_routed_like_the_reference(verify_replay(captured_verify, requests), captured_verify[2], requests * DRAFTS)
+
+
+@pytest.mark.parametrize("requests", [1, 4])
+def test_verify_gate_counts_requests_not_rows(captured_verify, requests):
+    """1 request is 4 rows (>= min_batch 2) and 2 requests are 8 rows (> max_batch 3): a gate on
+    rows would open at 1 request and close at 2. On requests, 1 and 4 are outside [2, 3]."""
+    assert_router_output(verify_replay(captured_verify, requests), captured_verify[2])
+
+
+def test_verify_replays_are_counted_as_verify_steps(captured_verify):
+    rt = captured_verify[0]
+    assert rt.captured == {(VERIFY, VERIFY_BUCKET): None}, "the capture pass rewrote ids"
+    for requests in (3, 1, 4, 2):
+        verify_replay(captured_verify, requests)
+    assert rt.applied == {VERIFY: 2} and rt.steps_of(DECODE) == 0
+    assert rt.skipped == {(VERIFY, "below_min_batch"): 1, (VERIFY, "above_max_batch"): 1}
+
+
+def test_verify_stats_count_token_rows(captured_verify):
+    rt, _, inputs = captured_verify
+    rt.stats.drain()
+    verify_replay(captured_verify, 3)
+    steps, before, after = rt.stats.drain()[0, :3].tolist()
+    _, ids, _ = inputs[LAYERS[0]]
+    assert steps == 1 and before == distinct_experts(ids, NUM_EXPERTS, 3 * DRAFTS).item() and after < before
 
 
 def test_bucket_below_min_batch_is_not_routed(capture):
@@ -165,20 +217,22 @@ def test_eager_steps_count_only_when_ids_were_rewritten(caplog):
     rt.end_step()
     rt.begin_step(DECODE, 6)
     rt.end_step()
-    rt.begin_step("verify", 12)
-    rt.end_step()
-    assert rt.applied_steps == 1 and rt.decode_steps == 3
-    assert rt.skipped_steps == {"no_topk_ids": 2, "target_verify": 1}
+    assert rt.applied_steps == 1 and rt.steps_of(DECODE) == 3
+    assert rt.skipped_steps == {"no_topk_ids": 2}
     assert caplog.text.count("without the routing hook seeing any top-k ids") == 1
 
 
-def test_speculative_decode_passes_belong_to_the_draft_model():
-    rt = OEARuntime(OEAConfig(k0=3, min_batch=4), speculative=True)
-    for mode in (DECODE, DECODE, "verify", "other"):
-        rt.begin_step(mode, 8)
+@pytest.mark.parametrize("verify", [True, False])
+def test_speculative_decode_passes_belong_to_the_draft_model(verify):
+    """Under speculative decoding every decode pass is the draft model's: never counted. Verify
+    passes are the target's (routed with --oea-verify on, skipped as target_verify when off)."""
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4, verify=verify), speculative=True)
+    for mode in (DECODE, DECODE, VERIFY, OTHER, DRAFT):
+        rt.begin_step(mode, 8 * 4, requests=8)
         rt.end_step()
-    assert rt.decode_steps == 0 and rt.applied_steps == 0
-    assert rt.skipped_steps == {"target_verify": 1, "not_decode": 1}
+    assert rt.steps_of(DECODE) == 0 and rt.steps_of(DRAFT) == 0 and rt.applied_steps == 0
+    verify_reason = "no_topk_ids" if verify else "target_verify"  # nothing was routed in these passes
+    assert rt.skipped == {(VERIFY, verify_reason): 1, (OTHER, "not_decode"): 1}
 
 
 def test_custom_routing_function_is_left_alone(captured, caplog):
@@ -318,8 +372,4 @@ def test_graph_path_through_the_fused_kernel_in_the_interpreter():
     Triton reads TRITON_INTERPRET once, at import."""
     if INTERPRET:
         pytest.skip("already running in the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not through_the_fused_kernel"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_in_interpreter(__file__, "through_the_fused_kernel")

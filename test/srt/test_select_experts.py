@@ -145,3 +145,24 @@ def test_a_topk_that_hides_ids_is_counted_and_warned(topk_module, caplog):
     assert [out.format for out in outputs] == [formats.BYPASSED, formats.BYPASSED, formats.STANDARD]
     assert rt.skipped_steps["no_topk_ids"] == hidden + 2 and rt.applied_steps == applied + 1
     assert caplog.text.count("without the routing hook seeing any top-k ids") == 1
+
+
+@pytest.mark.parametrize("requests", [3, 1])
+def test_verify_pass_routes_every_draft_token(topk_module, requests):
+    """A target-verify pass through SGLang's select_experts: every draft token is a row of the
+    union (requests x 4 drafts, all real); the gate counts requests (min_batch 2), not rows."""
+    from sglang_oea.runtime import VERIFY
+
+    rows = requests * 4
+    logits = torch.randn(rows, NUM_EXPERTS, generator=torch.Generator().manual_seed(11))
+    config = softmax_config(topk_module, True)
+    router_ids, router_weights = run_router(topk_module, logits, config, decode=False, rows=rows)
+    hooks._runtime.begin_step(VERIFY, rows, requests=requests)
+    out = topk_module.select_experts(torch.zeros(rows, 16), logits, config, layer_id=0)
+    if requests < 2:
+        assert torch.equal(out.topk_ids, router_ids) and torch.equal(out.topk_weights, router_weights)
+        return
+    probs = logits.softmax(1)
+    want_ids, want_weights = expected_routing(probs, probs, router_ids, router_weights, TOP_K, rows)
+    assert out.topk_ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(out.topk_weights.float(), want_weights, rtol=1e-5, atol=1e-6)

@@ -157,7 +157,7 @@ def test_a_rank_divergence_stops_the_server(tmp_path_factory, models):
             time.sleep(2)
         assert not server_up(base)
     text = open(log).read()
-    pattern = r"ranks routed different experts \(decode step 40; layer 0: rank 0=0x[0-9a-f]+, rank 1=0x[0-9a-f]+\)"
+    pattern = r"ranks routed different experts \(decode step 40; layer 0: rank 0=0x[0-9a-f]{16}, rank 1=0x[0-9a-f]{16}\)"
     assert rank_lines(text.splitlines(), pattern) == {"0": 1, "1": 1}
     assert "restart without --oea-k0" in text
 

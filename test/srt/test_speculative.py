@@ -1,0 +1,88 @@
+"""End to end under speculative decoding: NGRAM on the real SGLang server (CPU engine, tiny model
+with random weights).
+
+NGRAM needs no draft model: the target decodes only in TARGET_VERIFY passes of requests x draft
+tokens rows, which OEA routes. Two CPU-only helpers make it run here: the stand-in sgl_kernel's
+plain-torch bodies for the speculative ops (cpu_stub/sgl_kernel/cpu_bodies.py) and the
+`oea_cpu_harness` plugin's verify attention for the torch_native backend, which has none. The
+baselines load that plugin alone (HARNESS): SGLang's own routing.
+"""
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+from test_server_e2e import TOP_K, complete, concurrent, greedy_texts, make_model, oea_value, scrape, serve
+
+DRAFTS = 4
+NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS),
+         "--max-total-tokens", "16384",  # a small KV pool: these servers share the machine
+         "--decode-log-interval", "1")
+HARNESS = "oea_cpu_harness"
+APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Real random weights: with SGLang's dummy weights no routing or attention change could move a
+    greedy token (see tiny_model), and the identity tests below could not fail."""
+    return make_model(str(tmp_path_factory.mktemp("spec") / "qwen3_moe"), "qwen3_moe", "--random-weights")
+
+
+@pytest.fixture(scope="module")
+def plain_ngram(tmp_path_factory, model):
+    with serve(tmp_path_factory, model, *NGRAM, plugins=HARNESS) as (base, log):
+        texts = greedy_texts(base)
+    return texts, log
+
+
+def accept_lengths(log):
+    """SGLang's 'accept len' of every 'Decode batch' log line."""
+    return [float(m) for m in re.findall(r"Decode batch.*?accept len: ([\d.]+)", open(log).read())]
+
+
+def test_cpu_verify_path_reproduces_plain_greedy_decoding(tmp_path_factory, model, plain_ngram):
+    """Greedy speculative decoding must give greedy decoding's text: the CPU verify path (stand-in
+    ops, harness attention) is sound. Plain SGLang without speculative decoding or plugins."""
+    with serve(tmp_path_factory, model, plugins=False) as (base, _):
+        assert greedy_texts(base) == plain_ngram[0]
+    lengths = accept_lengths(plain_ngram[1])
+    assert lengths and all(1 <= n <= DRAFTS for n in lengths)
+
+
+def test_k0_at_least_top_k_is_identical_to_plain_ngram(tmp_path_factory, model, plain_ngram):
+    with serve(tmp_path_factory, model, *NGRAM, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
+        assert greedy_texts(base) == plain_ngram[0]
+    text = open(log).read()
+    assert "OEA no-op (k0 >= top-k)" in text and "speculative NGRAM: verify passes routed" in text
+
+
+def test_verify_passes_are_routed_with_fewer_experts(tmp_path_factory, model):
+    flags = (*NGRAM, "--oea-k0", "4", "--oea-min-batch", "2", "--enable-metrics")
+    with serve(tmp_path_factory, model, *flags) as (base, log):
+        start = scrape(base)
+        complete(base, "alone", 12, ignore_eos=True)  # verify passes of 1 request < min batch 2
+        alone = scrape(base)
+        results = concurrent(base, 6, 20)
+        after = scrape(base)
+    assert all(r["usage"]["completion_tokens"] == 20 for r in results)
+
+    def delta(name, old, new, **labels):
+        return oea_value(new, name, **labels) - oea_value(old, name, **labels)
+
+    assert delta(SKIPPED, start, alone, mode="verify", reason="below_min_batch") >= 2
+    assert delta(APPLIED, start, alone) == 0
+    assert delta(APPLIED, alone, after, mode="verify") >= 3
+    assert oea_value(after, APPLIED, mode="decode") == 0, "the target never decodes outside verify passes"
+    for layer in ("0", "1"):
+        before = oea_value(after, "sglang:oea_active_experts_before", layer=layer)
+        assert 4 <= oea_value(after, "sglang:oea_active_experts_after", layer=layer) < before
+    assert 1 <= oea_value(after, "sglang:spec_accept_length") <= DRAFTS
+    lengths = accept_lengths(log)
+    assert lengths and all(1 <= n <= DRAFTS for n in lengths) and max(lengths) > 1
+    text = open(log).read()
+    assert "sglang-oea rank 0: OEA on, k0=4 min_batch=2" in text and "verify=on" in text
+    assert "speculative NGRAM: verify passes routed (rows = requests x draft tokens)" in text
+    assert re.search(r"Decode batch.*OEA k0=4: applied \d+/\d+ verify steps, experts/layer/step [\d.]+ -> [\d.]+", text)

@@ -1,0 +1,204 @@
+"""OEA in speculative decoding's target-verify passes, on the CPU: the runtime and the SGLang hooks.
+
+A verify pass routes every draft token of every request: rows = requests x draft tokens, all of
+them in the union; the batch gate counts requests. The draft model's passes are neither routed
+nor counted. Verify graphs (padded rows) are in test_graph_path.py, SGLang's own select_experts
+in test_select_experts.py, a real server in test_speculative.py.
+"""
+
+import collections
+import contextlib
+import types
+
+import pytest
+import torch
+
+from oea_fixtures import assert_reference_routing, router_inputs, topk_config
+from sglang_oea import hooks, metrics
+from sglang_oea.config import OEAConfig
+from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime
+
+DRAFTS, K0 = 4, 3
+CONFIG = topk_config()
+
+
+def verify_pass(rt, requests, config=CONFIG, seed=0):
+    """One eager verify pass over two MoE layers: (inputs, {layer: routed or None})."""
+    rows = requests * DRAFTS
+    inputs = {layer: router_inputs(rows, seed=seed + layer) for layer in (0, 1)}
+    rt.begin_step(VERIFY, rows, requests=requests)
+    out = {layer: rt.route(ids, weights, config, logits, layer) for layer, (logits, ids, weights) in inputs.items()}
+    rt.end_step()
+    return inputs, out
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+@pytest.mark.parametrize("requests", [2, 5])
+def test_eager_verify_routes_every_draft_token_like_the_reference(requests):
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2), speculative=True)
+    inputs, out = verify_pass(rt, requests)
+    for layer, (logits, ids, weights) in inputs.items():
+        assert_reference_routing(out[layer], logits, ids, weights, K0, requests * DRAFTS)
+    assert rt.applied == {VERIFY: 1} and not rt.skipped
+
+
+def test_eager_verify_gate_counts_requests():
+    """1 request is 4 rows and 4 requests are 16 rows: a gate on rows would route both."""
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2, max_batch=3), speculative=True)
+    for requests in (1, 4):
+        assert set(verify_pass(rt, requests)[1].values()) == {None}
+    assert rt.skipped == {(VERIFY, "below_min_batch"): 1, (VERIFY, "above_max_batch"): 1} and not rt.applied
+
+
+def test_verify_off_leaves_verify_passes_alone():
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2, verify=False), speculative=True)
+    assert set(verify_pass(rt, 3)[1].values()) == {None}
+    assert rt.skipped == {(VERIFY, "target_verify"): 1}
+
+
+def test_draft_moe_layers_are_never_routed():
+    """SGLang builds every draft TopK with allow_routed_experts_capture=False (in the draft's build
+    scope, and again for a draft worker's model): OEA leaves such a layer alone in any pass."""
+    draft_config = topk_config()
+    draft_config.allow_routed_experts_capture = False
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2), speculative=True)
+    assert set(verify_pass(rt, 3, config=draft_config)[1].values()) == {None}
+
+
+def test_draft_passes_are_not_counted():
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2), speculative=True)
+    logits, ids, weights = router_inputs(8, seed=1)
+    for mode in (DECODE, DRAFT):  # under speculative decoding every decode pass is the draft's
+        rt.begin_step(mode, 8)
+        assert rt.step.mode == DRAFT and rt.route(ids, weights, CONFIG, logits, 0) is None
+        rt.end_step()
+    assert not rt.applied and not rt.skipped and rt.routed_steps == 0
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2), speculative=True)
+    monkeypatch.setattr(hooks, "_runtime", rt)
+    monkeypatch.setattr(hooks, "capture_mode_active", lambda: False)
+    return rt
+
+
+def forward_batch(mode_name, requests, rows):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return types.SimpleNamespace(forward_mode=ForwardMode[mode_name], batch_size=requests,
+                                 input_ids=torch.zeros(rows, dtype=torch.long))
+
+
+def forward(batch, body):
+    """One pass through SGLang's forward context (hooked), as ModelRunner._forward_raw enters it."""
+    with hooks.forward_context_hook(lambda ctx, forward_batch=None: contextlib.nullcontext(), None, forward_batch=batch):
+        return body()
+
+
+def runner_of(draft):
+    return types.SimpleNamespace(is_draft_worker=draft, model_runner=types.SimpleNamespace(is_draft_worker=draft))
+
+
+def test_target_verify_pass_is_routed_over_its_token_rows(runtime):
+    logits, ids, weights = router_inputs(3 * DRAFTS, seed=3)
+    batch = forward_batch("TARGET_VERIFY", 3, 3 * DRAFTS)
+
+    def body():
+        step = runtime.step
+        return (step.mode, step.num_rows, step.requests), runtime.route(ids, weights, CONFIG, logits, 0)
+
+    seen, routed = hooks.model_forward_hook(lambda runner, b: forward(b, body), runner_of(False), batch)
+    assert seen == (VERIFY, 3 * DRAFTS, 3)
+    assert_reference_routing(routed, logits, ids, weights, K0, 3 * DRAFTS)
+    assert runtime.applied == {VERIFY: 1}
+
+
+@pytest.mark.parametrize("mode_name", ["TARGET_VERIFY", "DECODE", "DRAFT_EXTEND_V2"])
+def test_draft_runner_passes_are_neither_routed_nor_counted(runtime, mode_name):
+    """An MTP/EAGLE draft decodes, a DFlash draft verifies: under the draft runner every pass is
+    DRAFT. Draft-extend passes are DRAFT whichever runner runs them."""
+    logits, ids, weights = router_inputs(12, seed=4)
+    batch = forward_batch(mode_name, 3, 12)
+    body = lambda: (runtime.step.mode, runtime.route(ids, weights, CONFIG, logits, 0))  # noqa: E731
+    assert hooks.model_forward_hook(lambda runner, b: forward(b, body), runner_of(True), batch) == (DRAFT, None)
+    if mode_name == "DRAFT_EXTEND_V2":
+        assert forward(batch, body) == (DRAFT, None)
+    assert not runtime.applied and not runtime.skipped
+
+
+def test_a_draft_runners_capture_does_not_stand_for_the_targets(runtime, monkeypatch):
+    """A DFlash draft captures verify graphs with the target's bucket sizes, after the target: its
+    (dense) capture must not overwrite what the target's capture did."""
+    monkeypatch.setattr(hooks, "capture_mode_active", lambda: True)
+    logits, ids, weights = router_inputs(4 * DRAFTS, seed=5)
+    runtime.device_state(torch.device("cpu"), capturing=False)
+    batch = forward_batch("TARGET_VERIFY", 4, 4 * DRAFTS)
+    target_capture = lambda runner: forward(batch, lambda: runtime.route(ids, weights, CONFIG, logits, 0))  # noqa: E731
+    draft_capture = lambda runner: forward(batch, lambda: None)  # noqa: E731
+    hooks.graph_capture_hook(target_capture, runner_of(False))
+    hooks.graph_capture_hook(draft_capture, runner_of(True))
+    assert runtime.captured == {(VERIFY, 4): None}
+
+
+def test_verify_graph_replay_gets_the_real_token_rows(runtime):
+    runtime.device_state(torch.device("cpu"), capturing=False)  # made by the warm-ups, before capture
+    runtime.captured[(VERIFY, 4)] = None  # the bucket's capture rewrote ids
+    batch = forward_batch("TARGET_VERIFY", 3, 3 * DRAFTS)
+    replay = lambda runner, b: int(runtime.device.rows)  # noqa: E731  (what the captured routing reads)
+    seen = forward(batch, lambda: hooks.graph_execute_hook(replay, types.SimpleNamespace(bs=4), batch))
+    assert seen == 3 * DRAFTS
+    assert runtime.applied == {VERIFY: 1}
+
+
+def test_startup_line_says_whether_verify_passes_are_routed():
+    assert hooks.speculative_note(OEAConfig(k0=K0), None) == ""
+    assert "NGRAM: verify passes routed" in hooks.speculative_note(OEAConfig(k0=K0), "NGRAM")
+    assert "not routed (--oea-verify off)" in hooks.speculative_note(OEAConfig(k0=K0, verify=False), "EAGLE")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class FakeMetric:
+    """A prometheus_client Counter / Gauge that keeps its samples: {frozenset(labels): value}."""
+
+    made = {}
+
+    def __init__(self, name, documentation, labelnames, **kwargs):
+        self.samples = collections.Counter()
+        FakeMetric.made[name] = self
+
+    def labels(self, **labels):
+        key, samples = frozenset(labels.items()), self.samples
+        samples[key] += 0
+        return types.SimpleNamespace(inc=lambda amount=1: samples.update({key: amount}),
+                                     set=lambda value: samples.__setitem__(key, value))
+
+
+def test_step_counters_carry_the_pass_mode(monkeypatch):
+    import prometheus_client
+
+    monkeypatch.setattr(prometheus_client, "Counter", FakeMetric)
+    monkeypatch.setattr(prometheus_client, "Gauge", FakeMetric)
+    rt = OEARuntime(OEAConfig(k0=K0), speculative=True)
+    export = metrics.PrometheusExport("m", 0, K0, speculative=True)
+    applied = FakeMetric.made["sglang:oea_decode_steps_applied"].samples
+    skipped = FakeMetric.made["sglang:oea_decode_steps_skipped"].samples
+    base = {("model_name", "m"), ("tp_rank", "0")}
+    assert applied == {frozenset(base | {("mode", "verify")}): 0}, "the server's routed mode is exported from the start"
+    for mode, reason in ((VERIFY, None), (VERIFY, None), (VERIFY, "below_min_batch"), (OTHER, "not_decode")):
+        rt.count(mode, reason)
+    export.publish(rt, None)
+    rt.count(VERIFY, None)
+    export.publish(rt, None)
+    assert applied == {frozenset(base | {("mode", "verify")}): 3}
+    assert skipped == {frozenset(base | {("mode", "verify"), ("reason", "below_min_batch")}): 1,
+                       frozenset(base | {("mode", "other"), ("reason", "not_decode")}): 1}
+    assert metrics.summary(rt, None) == "OEA k0=3: applied 3/4 verify steps"
+    assert metrics.summary(OEARuntime(OEAConfig(k0=K0)), None) == "OEA k0=3: applied 0/0 decode steps"
