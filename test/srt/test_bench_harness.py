@@ -564,8 +564,10 @@ def test_cpu_routing_cost_reports_every_batch_size_and_refuses_bad_k0(capsys):
     table = cpu_routing_cost.main(["--batch-sizes", "2", "8", "--repeats", "2", "--iters", "2", "--warmup", "1"])
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split("|")[1].strip() for row in rows] == ["2", "8"]
-    assert all(len(row.strip("|").split("|")) == 9 and row.rstrip("|").endswith("x ") for row in rows)
-    assert all(int(row.split("|")[6]) > 0 for row in rows)  # the torch ops of one oea call
+    width = 1 + 2 * len(cpu_routing_cost.VARIANTS)  # B, the variants, the op count, a ratio per variant but plain
+    assert all(len(row.strip("|").split("|")) == width and row.rstrip("|").endswith("x ") for row in rows)
+    ops = 2 + len(cpu_routing_cost.VARIANTS)
+    assert all(int(row.split("|")[ops]) > 0 for row in rows)  # the torch ops of one oea call
     assert table in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--k0"):
         cpu_routing_cost.main(["--k0", "8"])
