@@ -87,14 +87,24 @@ def http_get(url: str, timeout: float = 5.0) -> Optional[str]:
     return None
 
 
+class PortTakenError(RuntimeError):
+    """The server could not bind its HTTP port: another process took it after free_port() chose it."""
+
+
+PORT_TAKEN = "error while attempting to bind on address"  # uvicorn's line; the server then hangs
+
+
 def wait_ready(base_url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None,
                log_path: Optional[str] = None) -> None:
-    """Wait until /health and /v1/models both answer 200; raise on timeout or if proc exits."""
+    """Wait until /health and /v1/models both answer 200; raise on timeout or if proc exits, and
+    PortTakenError as soon as the log says the HTTP port was taken."""
     start = time.time()
     while True:
         if http_get(base_url + "/health") is not None and http_get(base_url + "/v1/models") is not None:
             log(f"server at {base_url} ready after {time.time() - start:.0f}s")
             return
+        if log_path and os.path.exists(log_path) and PORT_TAKEN in open(log_path, errors="replace").read():
+            raise PortTakenError(f"server at {base_url} could not bind its port" + _log_tail(log_path))
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before becoming ready"
                                + _log_tail(log_path))

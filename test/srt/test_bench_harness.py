@@ -571,3 +571,16 @@ def test_cpu_routing_cost_reports_every_batch_size_and_refuses_bad_k0(capsys):
     assert table in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--k0"):
         cpu_routing_cost.main(["--k0", "8"])
+
+
+def test_wait_ready_gives_up_at_once_when_the_port_was_taken(tmp_path):
+    """uvicorn logs the bind error and the server hangs: waiting would last the whole timeout."""
+    import ab_serving
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO: Application startup complete.\nERROR: [Errno 98] error while attempting to bind on "
+                   "address ('127.0.0.1', 1): address already in use\n")
+    start = time.time()
+    with pytest.raises(ab_serving.PortTakenError, match="could not bind its port"):
+        ab_serving.wait_ready(f"http://127.0.0.1:{ab_serving.free_port()}", 300, None, str(log))
+    assert time.time() - start < 30

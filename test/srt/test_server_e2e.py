@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.server
 
-from ab_serving import Server, child_env, free_port, wait_ready
+from ab_serving import PortTakenError, Server, child_env, free_port, wait_ready
 from sglang_oea.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -44,19 +44,29 @@ def models(tmp_path_factory):
 def serve(tmp_path_factory, model, *flags, plugins=True, extra_env=None):
     """A cpu_serve server for `model` with `flags`. plugins=False runs plain SGLang (no plugin); a
     string is SGLang's plugin whitelist (SGLANG_PLUGINS), e.g. the CPU harness alone at --tp 2."""
-    port = free_port()
     env = {**child_env(), **(extra_env or {})}
     env.pop("_SGLANG_OEA_CONFIG", None)
     if plugins is not True:
         env["SGLANG_PLUGINS"] = plugins or "none-loaded"  # SGLang's whitelist; an unknown name loads none
-    log = str(tmp_path_factory.mktemp("server") / "server.log")
     # A model written with --random-weights is loaded from its checkpoint; the others get dummy weights.
     weights = () if os.path.exists(os.path.join(model, "model.safetensors")) else ("--load-format", "dummy")
-    cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, *weights,
-           "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0", *flags]
-    server = Server(cmd, log, env)
+    for attempt in range(3):  # another process may take the free port before the server binds it
+        port = free_port()
+        log = str(tmp_path_factory.mktemp("server") / "server.log")
+        cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, *weights,
+               "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0", *flags]
+        server = Server(cmd, log, env)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", 400, server.proc, log)
+            break
+        except PortTakenError:
+            server.stop()
+            if attempt == 2:
+                raise
+        except BaseException:
+            server.stop()
+            raise
     try:
-        wait_ready(f"http://127.0.0.1:{port}", 400, server.proc, log)
         yield f"http://127.0.0.1:{port}", log
     finally:
         server.stop()
