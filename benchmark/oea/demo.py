@@ -48,9 +48,9 @@ MODEL_FLAGS = ["--arch", "qwen3_moe", "--num-experts", "128", "--top-k", "8", "-
 MODEL_DESC = "tiny Qwen3-MoE: 128 experts, top-8, hidden 512, expert FFN 384, 4 layers, dummy weights"
 
 # Server flags of every arm. --enable-metrics lets the harness record OEA's expert counters per run.
-# The KV pool is sized by tokens, not by cpu_serve's --mem-fraction-static 0.1 of free RAM, which
-# other jobs' memory use can push below what the weights need (the server then refuses to start);
-# 32768 tokens hold C=64 x 128 tokens several times over.
+# The KV pool is sized by tokens (cpu_serve's default is 32768 as well): 32768 tokens hold C=64 x 128
+# tokens several times over. --mem-fraction-static only has to pass SGLang's start-up check that free
+# RAM did not drop by that fraction while the weights loaded.
 SERVER_ARGS = ["--load-format", "dummy", "--enable-metrics", "--mem-fraction-static", "0.3",
                "--max-total-tokens", "32768"]
 

@@ -6,13 +6,25 @@ SGLang 0.5.23 serves a small MoE model on the CPU engine once the CUDA kernel wh
 are satisfied. This sets that up and then hands over to `sglang serve` in a fresh process:
 - SGLANG_USE_CPU_ENGINE=1 and --device cpu;
 - OMP_NUM_THREADS = cores - 1 unless set (one core stays free for the other server processes);
-- --attention-backend torch_native, --disable-cuda-graph, --mem-fraction-static 0.1;
+- --attention-backend torch_native, --disable-cuda-graph;
+- --max-total-tokens 32768 and --mem-fraction-static 0.9: the KV pool is sized in tokens, whatever
+  RAM is free. SGLang on the CPU reads free RAM (psutil MemAvailable, capped by the cgroup's
+  memory.max - memory.current) before the weights load (`pre`) and again when it sizes the KV pool
+  (`now`), and refuses to start when now - pre * (1 - fraction) <= 0. With NGRAM the scheduler
+  builds its n-gram corpus (about 1.8 GiB) between the two readings, so a fraction of 0.1 fails
+  whenever less than about 18 GiB is free at start; 0.9 fails only if free RAM drops by 90% of
+  what was free. The pool is min(that budget, --max-total-tokens) tokens, so the token cap, not
+  the fraction, decides what is allocated (without it, 0.9 would size the pool at about 90% of
+  free RAM);
 - the stand-in `sgl_kernel` (sglang_oea/cpu_stub) first on PYTHONPATH, so every process,
   spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op without a
   CPU body that is called logs an error and raises;
 - with --tp N > 1: SGLANG_CPU_OMP_THREADS_BIND (unless set) gives each rank its own share of
   the cores, since SGLang otherwise wants one NUMA node per rank; the `oea_cpu_harness` plugin
   (cpu_harness.py) keeps NCCL out of the CPU process groups;
+  SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (unless set) turns SGLang's "memory capacity is
+  unbalanced" start-up error into its warning: the ranks share one RAM, so two readings of it a
+  moment apart differ only when another process frees memory in between;
 - with --speculative-algorithm NGRAM: the stand-in's plain-torch speculative ops
   (cpu_stub/sgl_kernel/cpu_bodies.py) and the harness plugin's verify attention run it.
 A default is added only when the caller did not give that flag.
@@ -27,7 +39,10 @@ CPU_DEFAULTS = (
     ("--device", "cpu"),
     ("--attention-backend", "torch_native"),
     ("--disable-cuda-graph", None),
-    ("--mem-fraction-static", "0.1"),
+    # The KV pool in tokens (64 requests x 512 tokens); the fraction only has to pass SGLang's
+    # start-up check, whatever RAM is free (see the module docstring).
+    ("--max-total-tokens", "32768"),
+    ("--mem-fraction-static", "0.9"),
 )
 
 
@@ -86,6 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ranks = int(flag_value(argv, "--tp", flag_value(argv, "--tp-size", "1")))
     if ranks > 1:
         env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(ranks, os.cpu_count() or 1))
+        env.setdefault("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "0")
     os.execve(sys.executable, command, env)
 
 

@@ -19,6 +19,7 @@ from test_server_e2e import TOP_K, complete, concurrent, greedy_texts, make_mode
 DRAFTS = 4
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS),
          "--max-total-tokens", "16384",  # a small KV pool: these servers share the machine
+         "--speculative-ngram-capacity", "100000",  # the default 10M-entry corpus takes ~1.8 GiB
          "--decode-log-interval", "1")
 HARNESS = "oea_cpu_harness"
 APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
