@@ -22,11 +22,13 @@ each of their values appears with every (N, K) pair (hence with every N and with
     N in (64, 128, 160, 256, 384, 512), K in (6, 8, 10, 16);
     scoring: softmax, or sigmoid + correction bias + grouped restriction (8 groups);
     ids int32/int64, logits bf16/fp32, weights fp32/bf16, stats off/on, 0/1 fused shared-expert
-    column: each is the parity of the scoring's index plus its own pattern of N's and K's index,
-    so the softmax and the sigmoid case of one (N, K) pair take both values, and the five settings
-    combine differently from one pair to the next. Stats are a row of an [L, 3] int64 buffer, as in
-    serving: an odd row is only 8-byte aligned, so both specialisations of that pointer compile.
-    The row count is always a 1-element int32 device tensor.
+    column, checksum off/on: each is the parity of the scoring's index plus its own pattern of N's
+    and K's index, so the softmax and the sigmoid case of one (N, K) pair take both values, and the
+    six settings combine differently from one pair to the next. Stats are a row of an [L, 3] int64
+    buffer: an odd row is only 8-byte aligned, so both specialisations of that pointer compile. The
+    checksum is column 3 of a row of an [L, 4] int64 table, as in serving (8 mod 16 bytes; the
+    kernel never specialises that pointer on alignment). The row count is always a 1-element int32
+    device tensor. Every launch compiles with the plan's options (libdevice without flush-to-zero).
 Compiles that would build the same binary (equal `KernelLaunch.variant()` on one arch) run once.
 
     python benchmark/oea/compile_table.py                 # print the markdown table
@@ -99,6 +101,7 @@ class Case:
     stats: bool
     extra: int  # fused shared-expert columns after the K routed ones
     stats_row: int  # which row of the [2, 3] stats buffer
+    checksum: bool = False  # pass a checksum slot (column 3 of a row of an [L, 4] int64 table)
 
     @property
     def groups(self) -> int:
@@ -108,7 +111,7 @@ class Case:
     def settings(self) -> str:
         parts = ["i64" if self.ids_int64 else "i32", "fp32" if self.logits_fp32 else "bf16",
                  "w:bf16" if self.weights_bf16 else "w:fp32"]
-        parts += [f"stats[{self.stats_row}]"] * self.stats + ["+1 shared"] * self.extra
+        parts += [f"stats[{self.stats_row}]"] * self.stats + ["+1 shared"] * self.extra + ["checksum"] * self.checksum
         return " ".join(parts)
 
 
@@ -119,15 +122,16 @@ def cases() -> List[Case]:
         for k_i, k in enumerate(K_VALUES):
             for s_i, scoring in enumerate(SCORINGS):
                 # Each setting is the parity of the scoring's index plus its own pattern.
-                ids_int64, logits_fp32, weights_bf16, stats, extra = (
-                    bool((s_i + pattern) % 2) for pattern in (k_i, n_i, n_i + k_i, n_i // 2 + k_i, n_i + k_i // 2)
+                ids_int64, logits_fp32, weights_bf16, stats, extra, checksum = (
+                    bool((s_i + pattern) % 2)
+                    for pattern in (k_i, n_i, n_i + k_i, n_i // 2 + k_i, n_i + k_i // 2, n_i // 2 + k_i // 2)
                 )
                 out.append(Case(n, k, scoring, ids_int64, logits_fp32, weights_bf16, stats, int(extra),
-                                stats_row=(n_i + k_i) % 2))
+                                stats_row=(n_i + k_i) % 2, checksum=checksum))
     return out
 
 
-ROTATED = ("ids_int64", "logits_fp32", "weights_bf16", "stats", "extra")
+ROTATED = ("ids_int64", "logits_fp32", "weights_bf16", "stats", "extra", "checksum")
 
 
 def coverage_gaps(case_list: Sequence[Case]) -> List[str]:
@@ -158,6 +162,7 @@ def plan(case: Case) -> Tuple[KernelLaunch, KernelLaunch]:
         correction_bias=torch.zeros(n) if sigmoid else None, num_groups=case.groups if sigmoid else 1,
         restrict_groups=sigmoid,
         stats=torch.zeros(2, 3, dtype=torch.int64)[case.stats_row] if case.stats else None,
+        checksum=torch.zeros(2, 4, dtype=torch.int64)[case.stats_row, 3:] if case.checksum else None,
     )
 
 
@@ -165,7 +170,7 @@ def jit_compile_inputs(launch: KernelLaunch, arch: int) -> Tuple[ASTSource, dict
     """(source, options) exactly as `JITFunction.run` builds them for this launch on `arch`."""
     backend = make_backend(GPUTarget("cuda", arch, 32))
     kernel = launch.kernel
-    kwargs = {**dict(launch.args), **dict(launch.constexprs), "num_warps": launch.num_warps}
+    kwargs = {**dict(launch.args), **dict(launch.constexprs), "num_warps": launch.num_warps, **dict(launch.options)}
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -201,7 +206,7 @@ def launch_path_hash(launch: KernelLaunch, arch: int) -> str:
     previous = driver._active  # None until something asks for a (real) driver
     driver.set_active(_TargetOnlyDriver(arch))
     try:
-        kwargs = {**dict(launch.args), **dict(launch.constexprs)}
+        kwargs = {**dict(launch.args), **dict(launch.constexprs), **dict(launch.options)}
         return launch.kernel.warmup(**kwargs, num_warps=launch.num_warps, grid=launch.grid).hash
     finally:
         driver._active = previous
@@ -383,7 +388,8 @@ def report(rows: Sequence[Row], archs: Sequence[int], wall: float, workers: int,
         + ("all passed." if not bad else f"{len(bad)} failed."),
         summary_markdown(rows),
         "Per case. Settings: ids, logits and weights dtypes; `stats[r]`: the call passes row r of an "
-        "[L, 3] stats buffer; `+1 shared`: one fused shared-expert column. Sigmoid cases use a "
+        "[L, 3] stats buffer; `+1 shared`: one fused shared-expert column; `checksum`: a rank-check "
+        "checksum slot (column 3 of an [L, 4] table). Sigmoid cases use a "
         f"correction bias and grouped restriction ({GROUPS} groups).",
         table_markdown(rows),
         "Regenerate (no GPU needed): `python benchmark/oea/compile_table.py --out <file>`.",

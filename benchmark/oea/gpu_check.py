@@ -3,21 +3,29 @@ around it, sized for one H200 and at most 8 minutes. Needs only torch, triton an
 python/ (no SGLang).
 
 Checks, in the order they run (correctness first; numbers kept from earlier reports):
+  8. the kernel's selection scores == the torch path's, bit for bit (sigmoid: accurate expf and IEEE
+     division as torch.sigmoid on CUDA; softmax: the logit), over ~1e6 values, and kernel ids ==
+     torch ids on 1-ulp near-ties at the base boundary (gpu_cases.check_score_bits);
   1. kernel == sglang_oea.routing.route_from_logits on the device, over the sampled grid that
      test/srt/test_oea_kernel.py uses (plus large-B cases), bitwise deterministic, expert counters
-     (`stats=`) as sglang_oea.reference says; a pool of worker processes shares the compiles
-     (gpu_cases.py);
+     (`stats=`) and rank-check checksum (`checksum=`) as sglang_oea.reference says; a pool of
+     worker processes shares the compiles (gpu_cases.py);
   5. the real runtime path: OEARuntime + GLM-5 / Qwen3-30B-A3B shaped layers, SGLang's warm-ups,
      ONE real CUDA graph captured over every layer's `runtime.route`, replays with several real row
      counts (gate open and closed) == the reference; nothing compiled during capture; the
      self-check's wall time (gpu_runtime_check.py);
-  2. the kernel alone under CUDA-graph replay with a persistent row count (gpu_cases.py);
+  7. the counter snapshots under two overlapped steps on two streams, as SGLang's overlap
+     scheduler runs them: the rank check and the metrics read a completed step, equal to a
+     synchronized copy (gpu_overlap_check.py);
+  2. the kernel alone under CUDA-graph replay with a persistent row count, counters and checksum
+     captured (gpu_cases.py);
   3. routing time under graph replay: kernel vs reference vs plain softmax + torch.topk, registers
      and spills of the compiled kernels, outputs and workspace checked after the timing
      (gpu_timing.py); target: <= 10 us per MoE layer at B <= 256 and <= 3x plain routing, counters
      < 1 us;
   6. the runtime path's time per MoE layer under graph replay (kernel path, torch path, plain
-     routing) and its eager host time per call (gpu_timing.py);
+     routing) and its eager host time per call (gpu_timing.py): the torch path's figure is what
+     `--oea-kernel auto` avoids by turning OEA off when the kernel fails;
   4. MoE-layer time vs T on Qwen3-30B-A3B shapes with a Triton grouped GEMM (gpu_moe.py).
 
     python benchmark/oea/gpu_check.py                 # GPU: report to $OUT/gpu_check.md if OUT is set,
@@ -31,7 +39,8 @@ traceback and the next one still runs. The exit status is 1 on any correctness f
 targets of check 3 are reported as pass/fail, not enforced.
 --dry-run sets TRITON_INTERPRET=1 (Triton's CPU interpreter) and runs a subset of check 1 (half
 of it with counters), check 5 on small shapes without a graph (is_capturing forced on for the
-"captured" calls, as test/srt/test_graph_path.py), check 2 without a graph and a tiny grouped GEMM.
+"captured" calls, as test/srt/test_graph_path.py), check 2 without a graph, check 8 on 16K values,
+check 7 as the protocol alone (no streams) and a tiny grouped GEMM.
 """
 
 import argparse
@@ -57,8 +66,9 @@ if __name__ == "__main__" and "--dry-run" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from gpu_cases import check_correctness, check_graph_replay, large_cases, sampled_cases  # noqa: E402
+from gpu_cases import check_correctness, check_graph_replay, check_score_bits, large_cases, sampled_cases  # noqa: E402
 from gpu_moe import bench_moe, check_grouped_gemm_small  # noqa: E402
+from gpu_overlap_check import check_overlapped_snapshots  # noqa: E402
 from gpu_runtime_check import check_runtime_path  # noqa: E402
 from gpu_timing import bench_routing, bench_runtime  # noqa: E402
 
@@ -81,9 +91,14 @@ def dry_run(workers: int = 1) -> int:
     print(f"check 5 (runtime path, no graph: is_capturing forced on), {time.time() - t:.1f} s:\n" + "\n".join(lines))
     graph_errors, lines = check_graph_replay("cpu", use_graph=False)
     print("check 2 (no graph):\n" + "\n".join(lines))
+    bits_errors, lines = check_score_bits("cpu")
+    print("check 8 (small, interpreter):\n" + "\n".join(lines))
+    overlap_errors, lines = check_overlapped_snapshots("cpu")
+    print("check 7 (protocol only, no streams):\n" + "\n".join(lines))
     gemm_error = check_grouped_gemm_small("cpu")
     print(f"grouped GEMM (tiny, float32): {'ok' if gemm_error is None else gemm_error}")
-    failures = errors + runtime_errors + graph_errors + ([gemm_error] if gemm_error else [])
+    failures = (errors + runtime_errors + graph_errors + bits_errors + overlap_errors
+                + ([gemm_error] if gemm_error else []))
     for f in failures:
         print("FAIL:", f)
     if failures:
@@ -156,6 +171,11 @@ def gpu_run(out_path: Path, workers: int, budget_s: float) -> int:
     run = Run(out_path, budget_s)
     state = {"routing_us": None}
 
+    def check_8():
+        errors, lines = check_score_bits(device)
+        run.failures.extend(errors)
+        run.report.extend(lines)
+
     def check_1():
         cases = sampled_cases() + large_cases()
         errors, secs = check_correctness(cases, device, workers)
@@ -168,6 +188,11 @@ def gpu_run(out_path: Path, workers: int, budget_s: float) -> int:
 
     def check_5():
         errors, lines = check_runtime_path(device, use_graph=True)
+        run.failures.extend(errors)
+        run.report.extend(lines)
+
+    def check_7():
+        errors, lines = check_overlapped_snapshots(device)
         run.failures.extend(errors)
         run.report.extend(lines)
 
@@ -198,8 +223,10 @@ def gpu_run(out_path: Path, workers: int, budget_s: float) -> int:
         run.report.extend(bench_moe(device, seeds, state["routing_us"])[1])
 
     stages = [
+        ("8. Kernel scores == torch scores, bit for bit; 1-ulp near-ties", check_8, True),
         ("1. Kernel == reference (CUDA)", check_1, True),
         ("5. Runtime path under one real CUDA graph (OEARuntime, as SGLang drives it)", check_5, True),
+        ("7. Counter snapshots under two overlapped steps (two streams)", check_7, True),
         ("2. Kernel under CUDA-graph replay (captured at 16 rows)", check_2, True),
         ("3. Routing time under CUDA-graph replay (median us per MoE layer, k0 = 3)", check_3, False),
         ("6. Runtime path time per MoE layer (k0 = 3, all rows real)", check_6, False),

@@ -49,6 +49,7 @@ import torch
 from gpu_cases import SEED, kernels
 from sglang_oea import runtime as runtime_module
 from sglang_oea.config import OEAConfig
+from sglang_oea.counters import stats_between
 from sglang_oea.reference import distinct_experts
 from sglang_oea.routing import RouterSpec, route_from_logits, score_experts
 from sglang_oea.runtime import DECODE, SKIP_ABOVE_MAX, SKIP_BELOW_MIN, VERIFY, OEARuntime
@@ -404,18 +405,18 @@ def verify_layer(layer: Layer, out, requests: int, sc: Scenario) -> Tuple[Option
 def time_self_checks(rt: OEARuntime, watch: CompileWatch) -> List[str]:
     """Wrap the runtime's per-shape self-check: its wall time and the compiles it caused."""
     records = []
-    decide = rt.routers.decide
+    check_here = rt.routers.check_here
 
     def timed(shape, spec, device):
         mark, start = watch.mark(), time.perf_counter()
         try:
-            return decide(shape, spec, device)
+            return check_here(shape, spec, device)
         finally:
             compiles = watch.since(mark)[0]
             records.append(f"{shape.describe()}: {time.perf_counter() - start:.2f} s"
                            + ("" if compiles is None else f", {compiles} compiles"))
 
-    rt.routers.decide = timed
+    rt.routers.check_here = timed
     return records
 
 
@@ -449,7 +450,7 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     want_status = {("torch", "not_run") if sc.kernel == "torch" else ("triton", "passed"): len(shapes)}
     if rt.routers.status() != want_status:
         failures.append(f"{sc.name}: routers.status() = {rt.routers.status()}, expected {want_status}")
-    rt.stats.drain()  # the warm-ups and the capture counted with whatever rows the device held
+    mark = rt.counters.snapshot_now()  # the warm-ups and the capture counted with whatever rows the device held
 
     want_sums = {layer.layer_id: [0, 0, 0] for layer in layers}
     results = []
@@ -467,7 +468,7 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
         failures += [f"{sc.name}: {e}" for e in errors]
         results.append(f"{rows}:{'ok' if not errors else 'FAIL'}{'' if gate_open(sc, rows) else '(closed)'}")
 
-    drained = rt.stats.drain()
+    drained = stats_between(rt.counters.snapshot_now(), mark)
     got_sums = {} if drained is None else {int(r[3]): [int(v) for v in r[:3].tolist()] for r in drained}
     want_sums = {k: v for k, v in want_sums.items() if v[0]}
     stats_ok = got_sums == want_sums

@@ -35,8 +35,9 @@ class OEAConfig:
         speculative verify passes too: requests, not their draft tokens).
     max_batch: OEA is skipped above this many real requests; 0 = no cap.
     stats: count distinct experts before/after OEA on the device (for /metrics).
-    kernel: "auto" (the fused Triton kernel on CUDA after a passing startup self-check, else
-        the torch path), "triton" (the kernel, or refuse to start), "torch" (always torch).
+    kernel: "auto" (on CUDA the fused Triton kernel after a startup self-check that passed on
+        every TP rank, else OEA off for that routing shape; on the CPU the torch path), "triton"
+        (the kernel, or refuse to start), "torch" (always torch).
     dump_router_logits: directory to record decode router logits into (None = off).
     dump_steps: how many decode steps to record (bounded).
     check_ranks: every this many decode steps, tensor-parallel ranks compare checksums of the

@@ -78,9 +78,9 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--oea-kernel", choices=KERNEL_CHOICES, default="auto",
-        help="Routing implementation: auto (default) runs the fused Triton kernel on CUDA after a passing "
-        "startup self-check and the torch path otherwise; triton refuses to start without a passing "
-        "self-check; torch always uses the torch path.",
+        help="Routing implementation: auto (default) runs the fused Triton kernel on CUDA after a startup "
+        "self-check that passed on every tensor-parallel rank, and otherwise turns OEA off with an error line "
+        "(the torch path on the CPU); triton refuses to start without it; torch always uses the torch path.",
     )
     group.add_argument(
         "--oea-dump-router-logits", default=None, metavar="DIR",
@@ -108,8 +108,21 @@ def config_from_namespace(args: argparse.Namespace, environ: Optional[Mapping[st
     return build_config(values, environ)
 
 
+def check_a2a_backend(backend: Optional[str], resolved: bool = False) -> None:
+    """Refuse all-to-all MoE dispatch: it places the experts on other ranks (expert parallel), and
+    SGLang sets ep_size = tp_size for it. `resolved`: the value came out of SGLang's resolution."""
+    if (backend or "none") == "none":
+        return
+    found = f"SGLang's argument resolution chose {backend}" if resolved else f"got {backend}"
+    raise ValueError(
+        f"--oea-k0 supports --moe-a2a-backend none only (all-to-all expert dispatch is expert parallel, "
+        f"which is not supported yet); {found}"
+    )
+
+
 def check_parallelism(get: Callable[[str, Any], Any]) -> None:
     """Refuse the parallel layouts OEA does not support yet. `get(name, default)` reads a setting."""
+    check_a2a_backend(get("moe_a2a_backend", "none"))
     if (get("ep_size", 1) or 1) > 1:
         raise ValueError(f"--oea-k0 supports --ep-size 1 only (expert parallel is not supported yet), got {get('ep_size', 1)}")
     if get("enable_dp_attention", False) or (get("attn_dp_size", 1) or 1) > 1:
@@ -118,6 +131,16 @@ def check_parallelism(get: Callable[[str, Any], Any]) -> None:
         raise ValueError(f"--oea-k0 supports --dp-size 1 only (data parallel is not supported yet), got {get('dp_size', 1)}")
     if get("use_ray", False):
         raise ValueError("--oea-k0 does not support --use-ray: Ray workers do not load SGLang plugins")
+
+
+def check_resolved_parallelism(get: Callable[[str, Any], Any]) -> None:
+    """check_parallelism on the values SGLang resolved: resolution can turn on all-to-all dispatch
+    (e.g. deepep for --enable-waterfill) and with it ep_size = tp_size, with neither flag given."""
+    check_a2a_backend(get("moe_a2a_backend", "none"), resolved=True)
+    try:
+        check_parallelism(get)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (after SGLang's argument resolution)") from None
 
 
 def check_backend(backend: Optional[str]) -> None:

@@ -4,15 +4,24 @@ Always installed (the flags must parse even when OEA is off); they add nothing e
   ServerArgs.add_cli_args    AROUND  adds the --oea-* argument group.
   ServerArgs.from_cli_args   AROUND  builds and validates OEAConfig before any weights load, and
                                      publishes it to the processes SGLang spawns next.
-  ServerArgs.resolve_once    AROUND  turns an OEA refusal raised during resolution into one
-                                     `sglang-oea: error:` line on the command line.
+  ServerArgs.resolve_once    AROUND  then, when OEA is on, refuses the parallel layouts in the
+                                     resolved arguments (resolution can turn on all-to-all dispatch
+                                     and expert parallel: sglang_oea.startup_checks); on the command
+                                     line an OEA refusal here is one `sglang-oea: error:` line.
   Engine.__init__            AROUND  the same for sglang.Engine(oea_k0=...).
   resolution step handle_moe_kernel_config (SGLang's register_resolution_hook)
                                      when OEA is on and `auto` resolved to a MoE backend that hides
                                      topk_ids: a backend that keeps them for this quantization.
-Installed only in processes started while OEA is enabled (the published config is present):
+Installed only in scheduler / TP-worker processes started while OEA is enabled (the published
+config is present; the other processes that load plugins, such as the detokenizer, get none of
+them: sglang_oea.routing_scope):
   topk._post_process_topk_ids          BEFORE  rewrites logical topk ids and weights (decode and the
-                                               target's verify passes only).
+                                               target's verify passes only); never traced by
+                                               torch.compile, and routes with SGLang's symmetric-
+                                               memory context suspended (sglang_oea.routing_scope).
+  ModelRunner.initialize               AFTER   once the target model is built, before any memory
+                                               pool or CUDA graph: refuses routed layers whose top-k
+                                               output hides topk_ids (sglang_oea.startup_checks).
   forward_context.forward_context      AROUND  tells the runtime what each forward pass is; accounts
                                                for it when the outermost pass ends.
   Scheduler.__init__                   AFTER   logs the settings and the kernel choice; metrics.
@@ -36,7 +45,7 @@ import pkgutil
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional, Tuple
 
-from sglang_oea import flags
+from sglang_oea import flags, routing_scope, startup_checks
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
 from sglang_oea.rank_check import RankCheck
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime, graph_capture_active
@@ -52,13 +61,14 @@ GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.Decode
 GRAPH_EXECUTE = f"{GRAPH_RUNNER}.execute"
 GRAPH_CAPTURE = f"{GRAPH_RUNNER}.capture"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+MODEL_INITIALIZE = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 DECODE_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 ENGINE_INIT = "sglang.srt.entrypoints.engine.Engine.__init__"
 RESOLVE = f"{SERVER_ARGS}.resolve_once"
 MOE_RESOLUTION_STEP = "handle_moe_kernel_config"
 CLI_TARGETS = (f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", RESOLVE, ENGINE_INIT)
 ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS, GRAPH_EXECUTE, GRAPH_CAPTURE,
-                   MODEL_FORWARD)
+                   MODEL_FORWARD, MODEL_INITIALIZE)
 
 _runtime: Optional[OEARuntime] = None
 _topk_signature: Optional[inspect.Signature] = None
@@ -128,10 +138,24 @@ def moe_kernel_config_step(server_args: Any, previous: Callable[[Any], None]) ->
         run_post_process_pass(server_args, backend_fallback_pass)
 
 
-def resolve_once_hook(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:
-    """On the command line, an OEA refusal during resolution is one error line, not a traceback."""
+def check_resolved_arguments(server_args: Any) -> None:
+    """With OEA on: refuse what SGLang's resolution made of the arguments. Raises OEAStartupError."""
+    cfg = published_config()
+    if cfg is None or not cfg.enabled:
+        return
     try:
-        return original(server_args, *args, **kwargs)
+        startup_checks.check_resolved_arguments(server_args)
+    except ValueError as exc:
+        raise OEAStartupError(str(exc)) from None
+
+
+def resolve_once_hook(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's resolution, then OEA's checks on its result. On the command line, an OEA refusal
+    here is one error line, not a traceback."""
+    try:
+        result = original(server_args, *args, **kwargs)
+        check_resolved_arguments(server_args)
+        return result
     except OEAStartupError as exc:
         if getattr(server_args, "_oea_cli", False):
             raise SystemExit(f"sglang-oea: error: {exc}") from None
@@ -191,8 +215,20 @@ def ensure_runtime() -> Optional[OEARuntime]:
         parallel = get_parallel()
         _runtime = OEARuntime(cfg, rank=int(parallel.tp_rank or 0),
                               speculative=bool(get_server_args().speculative_algorithm),
-                              world_size=int(parallel.tp_size or 1))
+                              world_size=int(parallel.tp_size or 1), agree=tp_agreement)
     return _runtime
+
+
+def tp_agreement(passed_here: bool) -> bool:
+    """Whether the kernel self-check passed on every rank of this tensor-parallel group (the ranks
+    that route the same batch): one MIN all-reduce over its CPU group. Called by every rank at the
+    same routing call, during the first (warm-up) forward pass, before any routed output exists."""
+    from sglang.srt.distributed import get_tp_group
+
+    from sglang_oea.routers import min_agreement
+
+    group = get_tp_group()
+    return passed_here if group.world_size == 1 else min_agreement(group.cpu_group)(passed_here)
 
 
 def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -284,14 +320,23 @@ def forward_context_hook(original: Callable, ctx: Any, *args: Any, forward_batch
     return _oea_step(original(ctx, *args, forward_batch=forward_batch, **kwargs), forward_batch)
 
 
+def model_built_hook(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> None:
+    """Once the target model is built (its TopK output formats bound), before its memory pools and
+    CUDA graphs: refuse routed layers whose top-k output hides topk_ids. The ValueError ends
+    Scheduler.__init__; SGLang's scheduler process logs it and stops the server (SIGQUIT)."""
+    if not model_runner.is_draft_worker:
+        startup_checks.check_built_model(model_runner)
+
+
+@routing_scope.never_traced
 def topk_post_hook(*args: Any, **kwargs: Any) -> Optional[Tuple[tuple, dict]]:
     """Rewrite the routed columns before EPLB mapping and padded-row masking."""
     if _runtime is None or not _runtime.step.routed:
         return None
     bound = _topk_signature.bind(*args, **kwargs)
     params = bound.arguments
-    routed = _runtime.route(
-        params["topk_ids"], params["topk_weights"], params["topk_config"],
+    routed = routing_scope.outside_symmetric_memory(
+        _runtime.route, params["topk_ids"], params["topk_weights"], params["topk_config"],
         params["router_logits"], params.get("layer_id"),
     )
     if routed is None:
@@ -339,16 +384,24 @@ def graph_capture_hook(original: Callable, runner: Any, *args: Any, **kwargs: An
 
 def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
     """After every decode step, on every rank in step: the rank check when due; on SGLang's
-    decode-log steps, publish OEA's counters just before it logs 'Decode batch'."""
+    decode-log steps, publish OEA's counters just before it logs 'Decode batch'. Both read the
+    counters through a snapshot that every rank took at the end of the same routed pass (under the
+    overlap scheduler the next pass is already running here: see sglang_oea.counters)."""
     if _runtime is None:
         return
+    step = reporter.forward_ct_decode
     check = _runtime.rank_check
-    if check is not None and check.due(reporter.forward_ct_decode) and _runtime.device is not None:
-        check.check(_runtime.device.checksums, reporter.forward_ct_decode)
-    if reporter.forward_ct_decode % reporter.decode_log_interval == 0:
+    check_due = check is not None and check.due(step)
+    report_due = step % reporter.decode_log_interval == 0
+    if not (check_due or report_due):
+        return
+    snapshot = _runtime.read_snapshot()
+    if check_due and snapshot is not None:
+        check.check(snapshot, step)
+    if report_due:
         from sglang_oea import metrics
 
-        metrics.report(_runtime)
+        metrics.report(_runtime, snapshot)
 
 
 # ----------------------------------------------------------------------------- install / verify
@@ -380,7 +433,8 @@ def missing_hooks(targets: Tuple[str, ...]) -> List[str]:
 
 
 def install() -> None:
-    """Plugin entry: CLI hooks always; routing hooks when a published config enables OEA."""
+    """Plugin entry: CLI hooks always; routing hooks in a scheduler process whose published config
+    enables OEA."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS, register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -395,7 +449,7 @@ def install() -> None:
     for target in missing_hooks(CLI_TARGETS):
         logger.error("sglang-oea: could not hook SGLang's %s; the --oea-* flags are unavailable.", target)
     cfg = published_config()
-    if cfg is not None and cfg.enabled:
+    if cfg is not None and cfg.enabled and routing_scope.loading_in_scheduler_process():
         install_routing()
 
 
@@ -411,6 +465,7 @@ def install_routing() -> None:
         (GRAPH_EXECUTE, graph_execute_hook, HookType.AROUND),
         (GRAPH_CAPTURE, graph_capture_hook, HookType.AROUND),
         (MODEL_FORWARD, model_forward_hook, HookType.AROUND),
+        (MODEL_INITIALIZE, model_built_hook, HookType.AFTER),
     ])
     missing = missing_hooks(ROUTING_TARGETS)
     if missing:

@@ -11,12 +11,14 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_k0{model_name,tp_rank}
     sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
     sglang:oea_rank_checks_total{model_name,tp_rank}   passed --oea-check-ranks comparisons
-Expert counts are averaged over the steps (decode or verify) where OEA applied in the last interval.
+Expert counts are averaged over the steps (decode or verify) where OEA applied between two counter
+snapshots (sglang_oea.counters): each report covers the routed passes up to the second-newest one.
 """
 
 import logging
 from typing import Any, Dict, Optional
 
+from sglang_oea.counters import Snapshot, stats_between
 from sglang_oea.runtime import DECODE, ROUTED_MODES, VERIFY, OEARuntime
 
 logger = logging.getLogger("sglang_oea")
@@ -79,6 +81,7 @@ def enumerate_layers(layers: Any):
 
 
 _export: Optional[PrometheusExport] = None
+_reported: Optional[Snapshot] = None  # the snapshot the last report counted up to
 
 
 def attach(runtime: OEARuntime, scheduler: Any) -> None:
@@ -124,10 +127,15 @@ _decode_line = DecodeLineSummary()
 SGLANG_DECODE_LOGGER = "sglang.srt.managers.scheduler_components.metrics_reporter"
 
 
-def report(runtime: OEARuntime) -> None:
-    """Read the device counters once (one sync per log interval) and publish them; SGLang's
-    'Decode batch' line, logged right after this, carries the summary."""
-    layers = runtime.stats.drain() if runtime.stats is not None else None
+def report(runtime: OEARuntime, snapshot: Optional[Snapshot]) -> None:
+    """Publish the expert counts that routed between the last reported snapshot and this one (a
+    snapshot, not the live counters: no device sync, nothing lost; see sglang_oea.counters);
+    SGLang's 'Decode batch' line, logged right after this, carries the summary."""
+    global _reported
+    layers = None
+    if runtime.cfg.stats and snapshot is not None:
+        layers = stats_between(snapshot, _reported)
+        _reported = snapshot
     if _export is not None:
         _export.publish(runtime, layers)
     _decode_line.pending = summary(runtime, layers)

@@ -3,8 +3,10 @@
 OEA couples the rows of a batch through the union, so one logit that differs by one ulp on one
 rank can move other rows to other experts there. The TP all-reduce would then sum partial outputs
 of different experts, silently. Each rank therefore folds the ids OEA hands to the MoE layer into a
-per-layer checksum on the device (graph-safe: captured with the routing, so replayed steps are
-covered too), and every N decode steps the ranks compare their checksums over the CPU group.
+per-layer checksum on the device (sglang_oea.reference.ids_checksum; the fused kernel adds it
+itself, the torch path with a few ops; graph-safe: captured with the routing, so replayed steps are
+covered too), and every N decode steps the ranks compare their checksums over the CPU group, as
+a counters snapshot holds them (sglang_oea.counters).
 
 No SGLang import: the caller passes the process group.
 """
@@ -16,27 +18,9 @@ import torch
 
 logger = logging.getLogger("sglang_oea")
 
-# Odd 64-bit mixing constants (splitmix64's), as signed int64; products wrap.
-MIX1 = 0x9E3779B97F4A7C15 - (1 << 64)
-MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64)
-ROW_SHIFT = 20  # expert ids < 2**20
-
 
 class RankDivergenceError(RuntimeError):
     """Tensor-parallel ranks routed a decode step to different experts."""
-
-
-def ids_checksum(ids: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 digest of a batch's expert choice.
-
-    ids: [B, K] integer expert ids (any column order). The digest is a wrapping sum over rows r and
-    columns of mix(r, id): column order does not matter, while a changed id, or two rows trading
-    experts, changes it except with probability about 2**-64.
-    """
-    rows = torch.arange(1, ids.shape[0] << ROW_SHIFT, 1 << ROW_SHIFT, device=ids.device, dtype=torch.int64)
-    h = (ids.long() + rows[:, None]) * MIX1
-    h = (h ^ (h >> 31)) * MIX2
-    return h.sum()
 
 
 def mismatched_layers(gathered: torch.Tensor) -> List[int]:
@@ -61,8 +45,9 @@ def describe_mismatch(gathered: torch.Tensor, layers: List[int], step: int) -> s
 class RankCheck:
     """Every `every` decode steps, compare this rank's checksums with the other ranks'.
 
-    checksums: [L] int64 device tensor that routing adds into (cumulative, never reset, so a
-    divergence stays visible at every later check).
+    The checksums come from a counters Snapshot (sglang_oea.counters): cumulative, never reset,
+    so a divergence stays visible at every later check, and taken at the end of the same routed
+    pass on every rank, so a check never compares a step that is still running on the device.
     """
 
     def __init__(self, every: int, group: Optional[object], world_size: int):
@@ -70,21 +55,30 @@ class RankCheck:
         self.checks = 0
 
     def due(self, decode_step: int) -> bool:
-        return self.world_size > 1 and decode_step % self.every == 0
+        return decode_step % self.every == 0
 
-    def gather(self, checksums: torch.Tensor) -> torch.Tensor:
-        """[W, L] int64 on the host: every rank's checksums (one device sync, one collective)."""
-        local = checksums.to("cpu", copy=True)
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """[W, 1 + L] int64 on the host: every rank's [routed step, checksums...] (one collective)."""
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         torch.distributed.all_gather(parts, local, group=self.group)
         return torch.stack(parts)
 
-    def check(self, checksums: torch.Tensor, decode_step: int) -> None:
-        """Raise RankDivergenceError unless every rank holds the same checksums."""
-        gathered = self.gather(checksums)
-        layers = mismatched_layers(gathered)
+    def check(self, snapshot, decode_step: int) -> None:
+        """Raise RankDivergenceError unless every rank holds the same checksums at the same
+        routed step. snapshot: a counters.Snapshot (host memory: no device sync here)."""
+        local = torch.cat([torch.tensor([snapshot.step], dtype=torch.int64), snapshot.checksums()])
+        gathered = self.gather(local)
+        steps, sums = gathered[:, 0], gathered[:, 1:]
+        if bool((steps != steps[0]).any()):
+            message = (f"sglang-oea: tensor-parallel ranks compared checksums of different routed steps "
+                       f"(decode step {decode_step}; {', '.join(f'rank {r}={int(s)}' for r, s in enumerate(steps))}): "
+                       "the ranks have not run the same decode passes. Stopping; restart without --oea-k0 and "
+                       "report this with the model, --tp and the --oea-* flags.")
+            logger.error(message)
+            raise RankDivergenceError(message)
+        layers = mismatched_layers(sums)
         if layers:
-            message = describe_mismatch(gathered, layers, decode_step)
+            message = describe_mismatch(sums, layers, decode_step)
             logger.error(message)  # one log line per rank, besides the traceback SGLang prints
             raise RankDivergenceError(message)
         self.checks += 1

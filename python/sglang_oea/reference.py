@@ -11,7 +11,7 @@ ties going to the lower expert id:
     U       = union of base_r over the valid rows
     extra_r = the K - K0 best experts of U minus base_r, searched over all N (any rank)
 An expert whose selection score is -inf is never piggybacked (the SGLang layer uses this to keep
-candidates inside the routing groups a row selected).
+candidates inside the routing groups a row selected; a softmax router's -inf logit is one too).
 
 A row "runs short" when U minus base_r holds fewer than K - K0 eligible experts. SGLang's MoE
 runners need K distinct valid ids per row, so short rows and padded rows (r >= num_valid_rows) are
@@ -19,6 +19,14 @@ completed from one shared fill order: the experts of U by id ascending, then the
 by id ascending, skipping experts the row already holds. Fill slots are inactive (weight 0).
 Because every row draws on the same fill order, a batch loads exactly max(|U|, K) distinct
 experts: only U when |U| >= K, and never more than the router's K otherwise.
+
+Selection scores are an input here; sglang_oea.routing.score_experts defines them per router:
+the float32 logit for softmax routers (softmax is monotonic: the probability order, without the
+ties that rounding or underflow put into probabilities), sigmoid(logit) + correction bias for
+sigmoid routers. The fused kernel computes the same selection bits (sglang_oea.kernels.oea_route).
+
+`ids_checksum` is the rank-check digest of a batch's expert choice (sglang_oea.rank_check): the
+fused kernel can add it on the device, and is tested against this definition.
 """
 
 from typing import Optional, Tuple, Union
@@ -26,6 +34,11 @@ from typing import Optional, Tuple, Union
 import torch
 
 RowCount = Optional[Union[int, torch.Tensor]]
+
+# ids_checksum: odd 64-bit mixing constants (splitmix64's), as signed int64; products wrap.
+MIX1 = 0x9E3779B97F4A7C15 - (1 << 64)
+MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64)
+ROW_SHIFT = 20  # expert ids < 2**20
 
 # Fill classes, in the order a row consumes them (see the module docstring).
 _ELIGIBLE, _FILL_IN_UNION, _FILL_OUTSIDE, _HELD = 0, 1, 2, 3
@@ -214,3 +227,29 @@ def opportunistic_route(
     ids = torch.where(gate, ids, topk_ids.long())
     weights = torch.where(gate, weights.to(topk_weights.dtype), topk_weights)
     return ids, weights
+
+
+def ids_checksum(ids: torch.Tensor, rows: RowCount = None) -> torch.Tensor:
+    """0-d int64 digest of the expert ids of the first `rows` rows (the rank check's, sglang_oea.rank_check).
+
+    digest = sum over rows r < rows and columns j of mix(r, ids[r, j]), wrapping mod 2^64, with
+        h = (id + (r << ROW_SHIFT) + 1) * MIX1;  mix = (h ^ (h >> 31)) * MIX2
+    (int64, products wrapping, >> arithmetic). Column order does not matter; a changed id, or two
+    rows trading experts, changes it except with probability about 2^-64. rows=None covers every
+    row.
+
+    Args:
+        ids: [B, K] integer expert ids.
+        rows: None, an int, or a 0-d / 1-element integer tensor on ids' device (read on the device:
+            no host sync, so it can be captured in a CUDA graph). Rows past it are left out.
+    Returns:
+        0-d int64 tensor on ids' device.
+    """
+    num_rows, device = ids.shape[0], ids.device
+    # (r << ROW_SHIFT) + 1; the end bound + 1 keeps B = 0 a valid (empty) range.
+    offsets = torch.arange(1, (num_rows << ROW_SHIFT) + 1, 1 << ROW_SHIFT, device=device, dtype=torch.int64)
+    h = (ids.long() + offsets[:, None]) * MIX1
+    h = (h ^ (h >> 31)) * MIX2
+    if rows is not None:
+        h = h * valid_row_mask(num_rows, rows, device)[:, None]
+    return h.sum()

@@ -1,17 +1,27 @@
 """The two implementations of one OEA routing call, and the choice between them. No SGLang import.
 
-TorchRouter runs sglang_oea.routing (the CPU path, and the fallback on CUDA). TritonRouter runs
-the fused kernel with one workspace per MoE layer; it keeps the promises CUDA-graph capture needs:
+TorchRouter runs sglang_oea.routing (the CPU path, and --oea-kernel torch). TritonRouter runs the fused kernel with one
+workspace per MoE layer and id/weight dtypes; it keeps the promises CUDA-graph capture needs:
   - the row count is always a device scalar, so eager warm-ups and capture launch one variant;
   - every variant a capture launches was launched before, outside capture (else GraphCaptureError);
-  - a workspace is allocated outside capture, sized at the layer's first call, and never freed or
-    replaced (captured graphs point at it); larger eager batches get a separate overflow workspace.
-RouterChoice applies --oea-kernel: auto runs the startup self-check and falls back to torch on
-any failure; triton refuses to start instead; torch never touches the kernel.
+  - a workspace is allocated outside capture, sized at its first call, and never freed or replaced
+    (captured graphs point at it); larger eager batches get a separate overflow workspace. One layer
+    may route ids of two dtypes (the int64 ids of a torch.compile bucket's native top-k, the int32
+    ids of every other call): each (slot, ids dtype, weights dtype) has its own workspace.
+
+RouterChoice applies --oea-kernel once per routing shape, and every tensor-parallel rank makes the
+same choice (its `agree` is a MIN over the ranks' verdicts; TP sums partial outputs of the experts
+each rank chose, so ranks that routed differently would be silently wrong):
+  auto, on CUDA: the fused kernel if its self-check passed on every rank; else OEA is OFF for that
+      shape (router_for returns None: keep the router's own ids), with one error line. The torch
+      path is no fallback there: see TORCH_PATH_LAUNCHES_PER_LAYER.
+  auto, elsewhere (the CPU engine): the torch path; self-check not_run.
+  triton: the kernel if its self-check passed on every rank; else KernelSelfCheckError on every rank.
+  torch: the torch path; the kernel is never compiled.
 """
 
 import logging
-from typing import Dict, Set, Tuple, Union
+from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
@@ -25,36 +35,93 @@ RowCount = Union[int, torch.Tensor]
 # capture), or inside stream capture.
 EAGER, WARMUP, CAPTURE = "eager", "warmup", "capture"
 
+# Why a failed self-check under `auto` on CUDA turns OEA off instead of falling back to the torch
+# path. Inside a CUDA graph every torch op is its own kernel node: route_from_logits is 21 to 39
+# ops, and the runtime's counting and checksum add a few more, so about 25-40 launches per MoE
+# layer, each about 2-3 us on the GPU at decode sizes (a tiny kernel plus the gap between nodes).
+# GLM-5 has 75 MoE layers: 75 x 25-40 = 1,900-3,000 launches, about 4-9 ms per decode step.
+# OEA saves a share of each MoE layer's expert-weight reads: 55-70 us per layer on Qwen3-30B at
+# k0=4 / k0=3 on one H100 (175.7 -> 120.9 / 106.8 us, the paper), less under TP (0.85x / 0.73x of
+# the layer on 8x H100), so roughly 1-5 ms per step over 75 layers. The torch path would likely cost more
+# than OEA saves: a server that asked for `auto` gets the router's own experts (no slowdown, no
+# change to outputs) and a loud error instead. --oea-kernel torch forces the torch path anyway.
+# (An estimate from the paper's layer times and typical launch costs, not measured on GLM-5.)
+TORCH_PATH_LAUNCHES_PER_LAYER = (25, 40)
+GRAPH_LAUNCH_US = (2, 3)
+
+# router_for's router names, as status() reports them.
+TRITON, TORCH, OFF = "triton", "torch", "off"
+# Self-check results, as status() reports them (low cardinality: they label a metric).
+PASSED = "passed"  # passed on this rank and on every other rank
+FAILED = "failed"  # failed on this rank
+FAILED_OTHER_RANK = "failed_other_rank"  # passed here, failed (or could not run) on another rank
+UNAVAILABLE = "unavailable"  # the kernel cannot run on this CUDA device (Triton missing)
+NOT_RUN = "not_run"  # --oea-kernel torch, or no CUDA device (the CPU engine)
+PENDING = "pending"  # no routing call yet
+RESULT_PHRASES = {
+    PASSED: "self-check passed", FAILED: "self-check failed", FAILED_OTHER_RANK: "self-check failed on another rank",
+    UNAVAILABLE: "kernel unavailable", NOT_RUN: "self-check not run",
+}
+
+# What went wrong, for the error line (and the refusal under --oea-kernel triton).
+FAILURE_PHRASES = {
+    FAILED: "the kernel self-check failed", FAILED_OTHER_RANK: "the kernel self-check failed on another rank",
+    UNAVAILABLE: "the kernel is unavailable",
+}
+
+# agree(passed_here) -> True iff every tensor-parallel rank passed; collective, called by every rank
+# at the same point. None: a single process.
+Agreement = Callable[[bool], bool]
+# What keys a layer's workspace: its slot, and the ids and weights dtypes it returns.
+WorkspaceKey = Tuple[int, torch.dtype, torch.dtype]
+
+
+def min_agreement(group=None) -> Agreement:
+    """An `agree` for RouterChoice over a torch.distributed CPU (gloo) process group: a MIN
+    all-reduce of one int, so it returns True iff every rank passed. group: the tensor-parallel
+    ranks' CPU group (None: the default group). A host tensor, at startup only: no device sync."""
+    def agree(passed_here: bool) -> bool:
+        verdict = torch.tensor([int(passed_here)], dtype=torch.int32)
+        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(verdict.item())
+    return agree
+
 
 class GraphCaptureError(RuntimeError):
     """Something that must happen before CUDA-graph capture was about to happen inside it."""
 
 
 class KernelSelfCheckError(RuntimeError):
-    """--oea-kernel triton, and the kernel's startup self-check failed."""
+    """--oea-kernel triton, and the kernel cannot run here or failed its startup self-check (on
+    this rank or on another)."""
 
 
 def launch_kernel(logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int, rows: RowCount,
-                  min_batch: int, max_batch: int, workspace, stats=None, before_launch=None):
-    """kernels.oea_route with the router's scoring unpacked from its RouterSpec."""
+                  min_batch: int, max_batch: int, workspace, stats=None, before_launch=None, checksum=None):
+    """kernels.oea_route with the router's scoring unpacked from its RouterSpec.
+
+    stats: None or a [3] int64 device tensor, checksum: None or a [1] int64 device tensor, that the
+    kernel adds this call's distinct-expert counts and its output ids' rank-check checksum into.
+    """
     from sglang_oea import kernels
 
     return kernels.oea_route(
         logits, ids, weights, k0=k0, num_routed=num_routed, scoring_func=spec.scoring_func,
         correction_bias=spec.correction_bias, num_groups=spec.num_groups, restrict_groups=spec.restrict_groups,
         num_valid_rows=rows, min_batch=min_batch, max_batch=max_batch, workspace=workspace, stats=stats,
-        before_launch=before_launch,
+        checksum=checksum, before_launch=before_launch,
     )
 
 
 class TorchRouter:
     """OEA through sglang_oea.routing.route_from_logits (a handful of torch ops)."""
 
-    name = "torch"
+    name = TORCH
 
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
-                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None):
-        """(ids [B, C], weights [B, C], counted): counted is False (the runtime counts)."""
+                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None):
+        """(ids [B, C], weights [B, C], counted): counted is always False: stats and checksum are left
+        untouched, for the runtime to add with reference ops."""
         shared = num_routed < ids.shape[1]
         routed_ids, routed_weights = (ids[:, :num_routed], weights[:, :num_routed]) if shared else (ids, weights)
         new_ids, new_weights = route_from_logits(logits, routed_ids, routed_weights, spec, k0, rows, min_batch, max_batch)
@@ -68,34 +135,36 @@ class TorchRouter:
 class TritonRouter:
     """OEA through the fused Triton kernel (two launches, counters fused in)."""
 
-    name = "triton"
+    name = TRITON
     MIN_WORKSPACE_ROWS = 1024
 
     def __init__(self):
-        self.workspaces: Dict[int, object] = {}  # layer slot -> workspace, fixed once made
-        self.overflow: Dict[int, object] = {}  # layer slot -> eager-only workspace for larger batches
+        # (slot, ids dtype, weights dtype) -> its workspace, fixed once made; and an eager-only one
+        # for larger batches.
+        self.workspaces: Dict[WorkspaceKey, object] = {}
+        self.overflow: Dict[WorkspaceKey, object] = {}
         self.prepared: Set[tuple] = set()  # kernel variants launched by graph warm-ups
 
     def workspace(self, slot: int, logits, ids, weights, capturing: bool):
         """The workspace for this call; allocates only outside capture (GraphCaptureError else)."""
         from sglang_oea.kernels import OEAWorkspace
 
-        rows = logits.shape[0]
+        rows, key = logits.shape[0], (slot, ids.dtype, weights.dtype)
         for table in (self.workspaces, self.overflow):
-            ws = table.get(slot)
+            ws = table.get(key)
             if ws is not None and ws.max_rows >= rows:
                 return ws
         if capturing:
             raise GraphCaptureError(
-                f"sglang-oea: a MoE layer would allocate its routing workspace ({rows} rows) inside "
-                "CUDA-graph capture; it must be allocated by an eager call first"
+                f"sglang-oea: a MoE layer would allocate its routing workspace ({rows} rows, ids {ids.dtype}, "
+                f"weights {weights.dtype}) inside CUDA-graph capture; it must be allocated by an eager call first"
             )
-        # The first workspace of a layer is the one graphs capture: never replace it.
-        table = self.overflow if slot in self.workspaces else self.workspaces
-        table[slot] = OEAWorkspace.allocate(
+        # The first workspace of a key is the one graphs capture: never replace it.
+        table = self.overflow if key in self.workspaces else self.workspaces
+        table[key] = OEAWorkspace.allocate(
             logits.shape[1], ids.shape[1], max(rows, self.MIN_WORKSPACE_ROWS), ids.dtype, weights.dtype, logits.device
         )
-        return table[slot]
+        return table[key]
 
     def variant_guard(self, capturing: bool):
         """before_launch callback: record variants outside capture, refuse unseen ones inside it."""
@@ -111,94 +180,156 @@ class TritonRouter:
         return guard
 
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
-                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None):
-        """(ids [B, C], weights [B, C], counted): views of the layer's workspace; counted is True
-        when the kernel added this call's distinct-expert counts to `stats` itself. Warm-up calls
-        record the variants they launch; capture calls may launch only those (no check eagerly:
-        it costs host time on every call)."""
+                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None):
+        """(ids [B, C], weights [B, C], counted): views of the layer's workspace; counted is always
+        True: the kernel itself added this call's distinct-expert counts to `stats` and its ids'
+        checksum to `checksum` (each when given), so the runtime adds neither. Warm-up calls record
+        the variants they launch; capture calls may launch only those (no check eagerly: it costs
+        host time on every call)."""
         capturing = phase == CAPTURE
         ws = self.workspace(slot, logits, ids, weights, capturing)
         guard = None if phase == EAGER else self.variant_guard(capturing)
         new_ids, new_weights = launch_kernel(logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch,
-                                             ws, stats, guard)
-        return new_ids, new_weights, stats is not None
+                                             ws, stats, guard, checksum)
+        return new_ids, new_weights, True
 
 
-def routing_shape(logits, ids, weights, spec: RouterSpec, num_routed: int, stats: bool) -> RoutingShape:
+def routing_shape(logits, ids, weights, spec: RouterSpec, num_routed: int, stats: bool,
+                  checksum: bool = False) -> RoutingShape:
     return RoutingShape(logits.shape[1], num_routed, ids.shape[1], spec_key(spec), logits.dtype, ids.dtype,
-                        weights.dtype, stats)
+                        weights.dtype, stats, checksum)
 
 
 class RouterChoice:
-    """--oea-kernel applied per routing shape: which router runs, and how its self-check went."""
+    """--oea-kernel applied per routing shape: which router runs, and how its self-check went.
 
-    def __init__(self, kernel: str, k0: int, rank: int = 0):
-        self.kernel, self.k0, self.rank = kernel, k0, rank
+    Args:
+        kernel: --oea-kernel ("auto", "triton" or "torch").
+        k0: --oea-k0, for the self-check.
+        rank: this tensor-parallel rank (log lines).
+        agree: `agree(passed_here) -> bool`, True iff every tensor-parallel rank passed (a MIN
+            all-reduce over the TP CPU group); called exactly once per routing shape by every
+            rank, whatever the path. None: a single process (this rank's verdict stands).
+    """
+
+    def __init__(self, kernel: str, k0: int, rank: int = 0, agree: Optional[Agreement] = None):
+        self.kernel, self.k0, self.rank, self.agree = kernel, k0, rank, agree
         self.torch = TorchRouter()
         self.triton = TritonRouter()
+        self.by_name = {TRITON: self.triton, TORCH: self.torch, OFF: None}
         self.decisions: Dict[RoutingShape, Tuple[str, str]] = {}  # shape -> (router name, self-check)
-        self.by_slot: Dict[int, object] = {}  # layer slot -> router, once decided
+        # (slot, logits, ids and weights dtypes) -> router or None (off), once decided.
+        self.by_slot: Dict[tuple, Optional[object]] = {}
 
-    def kernel_wanted(self, logits: torch.Tensor) -> bool:
-        """Whether --oea-kernel lets this call use the fused kernel on this device."""
+    def kernel_device(self, logits: torch.Tensor) -> bool:
+        """Whether the fused kernel is meant for this device: CUDA, or any device under
+        TRITON_INTERPRET=1 (tests). The same on every rank (one --device per server)."""
         from sglang_oea import kernels
 
-        if self.kernel == "torch":
-            return False
-        # Under TRITON_INTERPRET=1 (tests) the kernel also runs on CPU tensors.
-        return (logits.is_cuda or kernels.interpret_mode()) and kernels.is_available(logits.device)
+        return logits.is_cuda or kernels.interpret_mode()
+
+    def kernel_available(self, device) -> bool:
+        """Whether the fused kernel can run on this rank's device (Triton importable, device visible)."""
+        from sglang_oea import kernels
+
+        return kernels.is_available(device)
 
     def router_for(self, slot: int, logits, ids, weights, spec: RouterSpec, num_routed: int, stats: bool,
-                   capturing: bool):
-        """The router for this layer slot, decided at its first call (a layer's shapes never change)."""
-        router = self.by_slot.get(slot)
-        if router is None:
-            shape = routing_shape(logits, ids, weights, spec, num_routed, stats)
+                   capturing: bool, checksum: bool = False):
+        """The router for this call: TorchRouter, TritonRouter, or None when OEA is off for its
+        routing shape (--oea-kernel auto on CUDA and the kernel failed its self-check on some rank:
+        keep the router's own ids, count nothing). Decided at the first call of each routing shape,
+        on every rank at once (see decide_first); cached per layer slot and dtypes, since one layer
+        may route int64 ids in a torch.compile bucket and int32 ids elsewhere.
+
+        Args:
+            stats, checksum: whether calls pass stats= / checksum= (part of the routing shape).
+        """
+        key = (slot, logits.dtype, ids.dtype, weights.dtype)
+        if key not in self.by_slot:
+            shape = routing_shape(logits, ids, weights, spec, num_routed, stats, checksum)
             if shape not in self.decisions:
                 self.decisions[shape] = self.decide_first(shape, spec, logits, capturing)
-            router = self.by_slot[slot] = self.triton if self.decisions[shape][0] == "triton" else self.torch
-        return router
+            self.by_slot[key] = self.by_name[self.decisions[shape][0]]
+        return self.by_slot[key]
 
     def decide_first(self, shape: RoutingShape, spec: RouterSpec, logits, capturing: bool) -> Tuple[str, str]:
-        """The first call of a routing shape: no kernel here, or its self-check (never in capture)."""
-        if not self.kernel_wanted(logits):
-            if self.kernel == "triton":
+        """The first call of a routing shape: this rank's verdict, the ranks' agreement, the choice.
+
+        Every rank reaches this at the same routing call: the ranks run the same passes over the
+        same layers with the same gates, and a shape (N, K, columns, scoring, dtypes) is a property
+        of the replicated router. The agreement runs on every path, even where its answer cannot
+        change the choice (--oea-kernel torch, the CPU engine): one tiny CPU collective per shape
+        at startup, and a rule that pairs up with no proof that a skip condition is the same on
+        every rank (kernel_available is not: Triton and device visibility are per process).
+        """
+        on_kernel_device = self.kernel != TORCH and self.kernel_device(logits)
+        if capturing and on_kernel_device:
+            # Before the agreement is fine: the flag, the device type and SGLang's order of warm-ups
+            # and captures are the same on every rank, so every rank raises here.
+            raise GraphCaptureError("sglang-oea: the kernel self-check would run inside CUDA-graph capture")
+        result, error = self.check_here(shape, spec, logits.device) if on_kernel_device else (NOT_RUN, None)
+        everywhere = self.agree_all(result == PASSED)
+        if not on_kernel_device:
+            if self.kernel == TRITON:
                 raise KernelSelfCheckError(
                     f"sglang-oea: error: --oea-kernel triton, but the kernel cannot run on {logits.device}")
-            return "torch", "not_run"
-        if capturing:
-            raise GraphCaptureError("sglang-oea: the kernel self-check would run inside CUDA-graph capture")
-        return self.decide(shape, spec, logits.device)
+            return TORCH, NOT_RUN
+        if everywhere:
+            logger.info("sglang-oea rank %d: kernel self-check passed (%s)%s; routing with the fused Triton kernel",
+                        self.rank, shape.describe(), "" if self.agree is None else " on every rank")
+            return TRITON, PASSED
+        if result == PASSED:
+            result, error = FAILED_OTHER_RANK, ("it passed on this rank, but all tensor-parallel ranks must route "
+                                                "alike (the failing rank's log has the reason)")
+        return OFF, self.refuse(shape, result, error)
 
-    def decide(self, shape: RoutingShape, spec: RouterSpec, device) -> Tuple[str, str]:
-        """Run the self-check for one routing shape; returns (router name, self-check result)."""
+    def check_here(self, shape: RoutingShape, spec: RouterSpec, device) -> Tuple[str, Optional[str]]:
+        """This rank's verdict alone: (PASSED, None), or (FAILED or UNAVAILABLE, why)."""
+        if not self.kernel_available(device):
+            return UNAVAILABLE, f"the fused kernel cannot run on {device} (is Triton installed?)"
         error = run_self_check(self.kernel_trial(spec, shape.num_routed), shape, spec, self.k0, device)
-        if error is None:
-            logger.info("sglang-oea rank %d: kernel self-check passed (%s); routing with the fused Triton kernel",
-                        self.rank, shape.describe())
-            return "triton", "passed"
-        if self.kernel == "triton":
-            raise KernelSelfCheckError(f"sglang-oea: error: --oea-kernel triton, but the kernel self-check failed "
-                                       f"({shape.describe()}): {error}")
-        logger.error("sglang-oea rank %d: kernel self-check failed (%s): %s; routing with the torch path",
-                     self.rank, shape.describe(), error)
-        return "torch", "failed"
+        return (PASSED, None) if error is None else (FAILED, error)
+
+    def agree_all(self, passed_here: bool) -> bool:
+        """True iff every rank passed (this rank's verdict in a single process)."""
+        return passed_here if self.agree is None else bool(self.agree(passed_here))
+
+    def refuse(self, shape: RoutingShape, result: str, error: str) -> str:
+        """The kernel is out for this shape: raise under --oea-kernel triton; under auto, log one
+        error line and return the self-check result that status() reports with router "off"."""
+        what = FAILURE_PHRASES[result]
+        if self.kernel == TRITON:
+            raise KernelSelfCheckError(
+                f"sglang-oea: error: --oea-kernel triton, but {what} ({shape.describe()}): {error}")
+        low, high = TORCH_PATH_LAUNCHES_PER_LAYER
+        logger.error(
+            "sglang-oea rank %d: %s (%s): %s. OEA is OFF for this routing shape: its MoE layers use the "
+            "router's own experts. The torch path is not used instead on CUDA: inside CUDA graphs it costs about "
+            "%d-%d kernel launches per MoE layer (%d-%d us each), likely more than OEA saves. To route with it "
+            "anyway, pass --oea-kernel torch; please report this failure (this line, the GPU, torch and triton "
+            "versions).", self.rank, what, shape.describe(), error, low, high, *GRAPH_LAUNCH_US)
+        return result
 
     def kernel_trial(self, spec: RouterSpec, num_routed: int):
         """The kernel launched as TritonRouter launches it, on a scratch workspace per trial."""
         from sglang_oea import kernels
 
-        def route(logits, ids, weights, rows, stats):
+        def route(logits, ids, weights, rows, stats, checksum):
             ws = kernels.OEAWorkspace.allocate(logits.shape[1], ids.shape[1], logits.shape[0], ids.dtype,
                                                weights.dtype, logits.device)
-            return launch_kernel(logits, ids, weights, spec, self.k0, num_routed, rows, 1, 0, ws, stats)
+            return launch_kernel(logits, ids, weights, spec, self.k0, num_routed, rows, 1, 0, ws, stats,
+                                 checksum=checksum)
         return route
 
     def status(self) -> Dict[Tuple[str, str], int]:
-        """{(router, self-check result): routing shapes}; {(kernel flag, "pending"): 0} before the first
-        routing call. Results: passed, failed, not_run (--oea-kernel torch, or no CUDA device)."""
+        """{(router, self-check result): routing shapes}; {(kernel flag, "pending"): 0} before the
+        first routing call. Routers: triton, torch, off (OEA off: the router's own ids). Results:
+        passed (every rank), failed (this rank), failed_other_rank (passed here, failed on another
+        rank), unavailable (no kernel on this CUDA device), not_run (--oea-kernel torch, or no CUDA
+        device). off comes only with failed, failed_other_rank or unavailable."""
         if not self.decisions:
-            return {(self.kernel, "pending"): 0}
+            return {(self.kernel, PENDING): 0}
         counts: Dict[Tuple[str, str], int] = {}
         for decision in self.decisions.values():
             counts[decision] = counts.get(decision, 0) + 1
@@ -206,6 +337,10 @@ class RouterChoice:
 
     def describe(self) -> str:
         """One phrase for the startup line: the router(s) in use and the self-check outcome."""
-        parts = [f"{router} (self-check {result.replace('_', ' ')}, {n} routing shape{'s' * (n != 1)})" if n else
-                 "chosen at the first decode step" for (router, result), n in self.status().items()]
+        def part(router: str, result: str, n: int) -> str:
+            if not n:
+                return "chosen at the first decode step"
+            what = "OEA off, the router's own experts" if router == OFF else router
+            return f"{what} ({RESULT_PHRASES[result]}, {n} routing shape{'s' * (n != 1)})"
+        parts = [part(router, result, n) for (router, result), n in self.status().items()]
         return f"kernel {self.kernel}: " + ", ".join(parts)

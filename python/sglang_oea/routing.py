@@ -2,16 +2,26 @@
 
 Shape legend: B = rows, N = routed experts, K = routed experts per row, G = expert groups.
 
-Selection score (what ranks experts) and weight score (what weights them) follow the router:
-    softmax routing: selection = weight = softmax(logits)
-    sigmoid routing: weight = sigmoid(logits); selection = weight + correction_bias (if any)
+Selection score (what ranks experts) and weight score (what weights them) follow the router,
+all in float32:
+    softmax routing: selection = logits                            weight = softmax(logits)
+    sigmoid routing: selection = weight + correction_bias (or weight)  weight = sigmoid(logits)
+Softmax is monotonic, so ranking by the logit is ranking by probability, except that rounding (or
+underflow to 0) can tie probabilities whose logits differ: the logit breaks those ties the way the
+router itself saw them, and it is the same bits on every path, since every path reads the same
+logits. One consequence: an expert whose logit is -inf has selection -inf and is never a
+piggyback candidate (reference: "-inf = never piggyback"); its probability is 0 anyway.
+The fused kernel (sglang_oea.kernels.oea_route) computes the same selection bits as torch on
+CUDA: the logit itself, or 1 / (1 + exp(-x)) with CUDA's accurate expf and an IEEE division
+(torch.sigmoid's own formula), then one float32 add of the bias; benchmark/oea/gpu_cases.py
+check_score_bits verifies it on a GPU.
 With grouped routing (topk_group < G), a row may only piggyback experts of the groups its own
 routed top-K lies in, a subset of the groups the router selected for it.
 
 `route_from_logits` is the CPU path, the fallback on CUDA (also inside CUDA graphs) and the
 oracle for the fused kernel in sglang_oea.kernels. It returns bit for bit what `score_experts`,
-`mask_foreign_groups` and `reference.opportunistic_route` compute, in 25 to 37 torch ops instead
-of 68 to 74 (over 200 counting their sub-ops): like the kernel, it ranks experts by composite
+`mask_foreign_groups` and `reference.opportunistic_route` compute, in 21 to 39 torch ops instead
+of 63 to 75 (over 200 counting their sub-ops): like the kernel, it ranks experts by composite
 int64 keys (see `_score_keys`), so that one torch.topk over [B, N] replaces the stable sorts.
 """
 
@@ -67,7 +77,10 @@ def _float32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def score_experts(router_logits: torch.Tensor, spec: RouterSpec) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Selection and weight scores from raw router logits.
+    """Selection and weight scores from raw router logits (see the module docstring).
+
+    softmax: selection = the float32 logits (a -inf logit: never piggybacked), weight = softmax.
+    sigmoid: weight = torch.sigmoid(logits), selection = weight + correction_bias (or weight).
 
     Args:
         router_logits: [B, N] logits, any float dtype.
@@ -76,8 +89,7 @@ def score_experts(router_logits: torch.Tensor, spec: RouterSpec) -> Tuple[torch.
     """
     logits = _float32(router_logits)
     if spec.scoring_func == "softmax":
-        weight = softmax_rows(logits)
-        return weight, weight
+        return logits, softmax_rows(logits)
     if spec.scoring_func != "sigmoid":
         raise ValueError(f"OEA supports scoring_func 'softmax' or 'sigmoid', got {spec.scoring_func!r}")
     weight = torch.sigmoid(logits)
@@ -137,9 +149,10 @@ def _score_keys(selection: torch.Tensor, signed: bool) -> torch.Tensor:
     """[B, N] int64 keys whose descending order is score descending, then expert id ascending.
 
     key = ordered_bits(score) * 2^16 - id. Float32 bits order like sign-magnitude integers:
-    non-negative scores and -inf (negative bits, below them all) need no mapping, and softmax and
-    sigmoid scores are never negative (nor -0.0). Biased scores can be (signed=True): INT32_MIN -
-    bits reverses the negative ones and maps -0.0 to 0, so that -0.0 and +0.0 tie, as in torch.sort.
+    non-negative scores and -inf (negative bits, below them all) need no mapping, and plain sigmoid
+    scores are never negative (nor -0.0). Logits (softmax) and biased scores can be (signed=True):
+    INT32_MIN - bits reverses the negative ones and maps -0.0 to 0, so that -0.0 and +0.0 tie, as
+    in torch.sort.
     """
     num_experts, device = selection.shape[1], selection.device
     bits = selection.view(torch.int32)
@@ -247,14 +260,16 @@ def _candidate_scores(router_logits: torch.Tensor, topk_ids: torch.Tensor, spec:
                       real: Optional[torch.Tensor], masked: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(selection, weight) [B, N] float32, the selection masked where a row may not piggyback.
 
-    masked (grouped or biased routing): foreign groups and padded rows score -inf; activity is
-    then read from the keys (see _picked). Otherwise no score is -inf, and a padded row scores
-    every expert 0: it ranks U by id, then the rest by id, at weight 0: the reference's fills.
+    masked (grouped or biased routing, or softmax with padded rows): foreign groups and padded
+    rows score -inf; activity is then read from the keys (see _picked). Otherwise a score is -inf
+    only where its weight is 0 (a softmax -inf logit), and the padded rows of a plain sigmoid
+    router score every expert 0: they rank U by id, then the rest by id, at weight 0: the
+    reference's fills (softmax gets here only when every row is real).
     """
     selection, weight = score_experts(router_logits, spec)
     if not masked:
         if real is not None:
-            selection = weight = weight * real  # selection is weight: softmax, or plain sigmoid
+            selection = weight = weight * real  # plain sigmoid: selection is weight
         return selection, weight
     if spec.restrict_groups and spec.num_groups > 1:
         allowed = _own_groups(topk_ids, router_logits.shape[1], spec.num_groups, real)
@@ -269,7 +284,8 @@ def _picked(weight: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, in_un
             masked: bool, signed: bool) -> torch.Tensor:
     """[B, K] float32: the weight score of each slot's expert, 0 on inactive slots.
 
-    Unmasked, every expert of U that a real row takes is active and padded rows weigh 0:
+    Unmasked, every expert of U that a real row takes is active and padded rows weigh 0, except
+    an expert of U whose logit is -inf (softmax), a fill whose weight is +0 all the same:
     multiplying by U (weights are finite and >= 0) costs less than torch.where. Masked, the
     active slots are the base and the finite-scored experts of U, whose keys lie above the -inf
     keys of U.
@@ -310,9 +326,13 @@ def route_from_logits(
     if k0 >= k or num_rows == 0 or not _host_gate(num_rows, num_valid_rows, min_batch, max_batch):
         return topk_ids.long(), topk_weights
     real = _real_rows(num_rows, num_valid_rows, router_logits.device)
-    signed = spec.scoring_func == "sigmoid" and spec.correction_bias is not None
-    # Grouped or biased routing may give -inf scores: masked candidates, or a -inf bias.
-    masked = signed or (spec.restrict_groups and spec.num_groups > 1)
+    softmax = spec.scoring_func == "softmax"
+    biased = not softmax and spec.correction_bias is not None
+    # Logits and biased scores may be negative or -0.0.
+    signed = softmax or biased
+    # Scores that are -inf where the weight is not 0: masked groups, a -inf bias, and the padded
+    # rows of a softmax router (its selection is not its weight, so they cannot just weigh 0).
+    masked = biased or (spec.restrict_groups and spec.num_groups > 1) or (softmax and real is not None)
     selection, weight = _candidate_scores(router_logits, topk_ids, spec, real, masked)
 
     keys, in_union = _lift_bases(_score_keys(selection, signed), topk_ids, k0, real)

@@ -21,13 +21,14 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from sglang_oea.config import OEAConfig
-from sglang_oea.rank_check import RankCheck, ids_checksum
-from sglang_oea.reference import batch_gate, distinct_experts
+from sglang_oea.counters import MAX_LAYERS, LayerCounters, Snapshot, SnapshotRing
+from sglang_oea.rank_check import RankCheck
+from sglang_oea.reference import batch_gate, distinct_experts, ids_checksum
 from sglang_oea.routers import CAPTURE, EAGER, WARMUP, GraphCaptureError, RouterChoice
 from sglang_oea.routing import RouterSpec
 
@@ -42,7 +43,7 @@ SKIP_VERIFY = "target_verify"
 SKIP_NO_IDS = "no_topk_ids"
 SKIP_UNSUPPORTED = "router_unsupported"
 SKIP_NOOP = "k0_covers_top_k"
-MAX_LAYERS = 1024
+SKIP_KERNEL_OFF = "kernel_off"
 
 
 @dataclass
@@ -52,6 +53,7 @@ class PassTally:
     rewrote: bool = False  # OEA rewrote the ids of some MoE layer
     unsupported: bool = False  # a target MoE layer has a router OEA does not handle
     noop: bool = False  # k0 >= the layer's top-k
+    kernel_off: bool = False  # OEA is off for a layer's routing shape (kernel failed or unavailable on CUDA)
     replayed_bucket: Optional[int] = None  # the graph (bucket in requests) replayed for this pass
     rows_written: bool = False  # the device row count holds this pass's real rows
 
@@ -59,6 +61,8 @@ class PassTally:
         """None when OEA rewrote ids, else the skip reason."""
         if self.rewrote:
             return None
+        if self.kernel_off:
+            return SKIP_KERNEL_OFF
         return SKIP_UNSUPPORTED if self.unsupported else SKIP_NOOP if self.noop else SKIP_NO_IDS
 
 
@@ -115,38 +119,6 @@ def router_spec_of(topk_config: Any) -> RouterSpec:
         num_groups=num_groups,
         restrict_groups=grouped and (topk_config.topk_group or num_groups) < num_groups,
     )
-
-
-class ExpertStats:
-    """Device-side sums of distinct experts per MoE layer, before and after OEA.
-
-    sums: [MAX_LAYERS, 3] int64 view on the routing device: (steps, T before, T after) per layer.
-    Allocated up front, so CUDA-graph capture records in-place adds into a persistent buffer. Rows
-    are padded to 32 bytes: every layer's row is then 16-byte aligned, which is one compiled kernel
-    variant for all layers (Triton specialises pointers on their alignment).
-    """
-
-    def __init__(self, device: torch.device):
-        self.padded = torch.zeros(MAX_LAYERS, 4, dtype=torch.int64, device=device)
-        self.sums = self.padded[:, :3]
-
-    def row(self, layer_id: int) -> torch.Tensor:
-        """[3] int64, contiguous and 16-byte aligned: the kernel's stats= argument for this layer."""
-        return self.sums[layer_id]
-
-    def add(self, layer_id: int, before: torch.Tensor, after: torch.Tensor, gate: Any = 1) -> None:
-        """gate: 1, or a 0-d device bool/int (graph replays where the batch gate was closed add 0)."""
-        row = torch.stack([torch.ones_like(before), before, after]).long()
-        self.sums[layer_id].add_(row * gate)
-
-    def drain(self) -> Optional[torch.Tensor]:
-        """[L, 4] host rows (steps, T before, T after, layer id) of the layers seen since the
-        last drain, or None; one device sync, then the sums restart from zero."""
-        host = self.sums.to("cpu", copy=True).double()
-        self.sums.zero_()
-        layer_ids = torch.arange(MAX_LAYERS, dtype=torch.float64)[:, None]
-        rows = torch.cat([host, layer_ids], dim=1)[host[:, 0] > 0]
-        return rows if rows.shape[0] else None
 
 
 class RouterDump:
@@ -214,19 +186,24 @@ class LayerRouting:
 
 class DeviceState:
     """Per-process device tensors, made at the first routing call (outside capture): the real
-    row count that captured graphs read, the expert counters, and the rank-check checksums
-    ([MAX_LAYERS] int64, see rank_check)."""
+    row count that captured graphs read, and the per-layer counters (expert statistics and
+    rank-check checksums, see sglang_oea.counters) with the ring of host snapshots they are read
+    through. No counters when both are off."""
 
     def __init__(self, device: torch.device, stats: bool, checksums: bool):
         self.rows = torch.zeros((), dtype=torch.int32, device=device)
-        self.stats = ExpertStats(device) if stats else None
-        self.checksums = torch.zeros(MAX_LAYERS, dtype=torch.int64, device=device) if checksums else None
+        self.stats, self.checksums = stats, checksums
+        self.counters = LayerCounters(device) if stats or checksums else None
+        self.snapshots = SnapshotRing(self.counters) if self.counters is not None else None
 
 
 class OEARuntime:
     """OEA for one process: gate, route, count."""
 
-    def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False, world_size: int = 1):
+    def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False, world_size: int = 1,
+                 agree: Optional[Callable[[bool], bool]] = None):
+        """agree: combines this rank's kernel self-check verdict with every other TP rank's
+        (routers.RouterChoice); None in a single process."""
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -242,13 +219,22 @@ class OEARuntime:
         self.captured: Dict[Tuple[str, int], Optional[str]] = {}  # (mode, bucket) -> outcome of its capture
         self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
         self.depth = 0  # nesting of SGLang forward contexts
-        self.routers = RouterChoice(cfg.kernel, cfg.k0, rank)
+        self.routers = RouterChoice(cfg.kernel, cfg.k0, rank, agree=agree)
         self.layers: Dict[Tuple[int, int], LayerRouting] = {}  # (layer id, id(TopKConfig)) -> routing
         self.warned: set = set()
 
     @property
-    def stats(self) -> Optional["ExpertStats"]:
-        return None if self.device is None else self.device.stats
+    def counters(self) -> Optional[LayerCounters]:
+        """The device counter table, once the first routing call made it (None when both the
+        expert statistics and the rank check are off)."""
+        return None if self.device is None else self.device.counters
+
+    def read_snapshot(self) -> Optional[Snapshot]:
+        """The counters as every rank left them at the same routed step (see sglang_oea.counters);
+        None before two routed passes ended. Waits for that snapshot's copy, not for the pass in flight."""
+        if self.device is None or self.device.snapshots is None:
+            return None
+        return self.device.snapshots.read()
 
     @property
     def applied_steps(self) -> int:
@@ -316,6 +302,9 @@ class OEARuntime:
         if reason is None:
             reason = self.replay_outcome(step) if step.tally.replayed_bucket is not None else step.tally.outcome()
         self.count(step.mode, reason)
+        if step.routed and self.device is not None and self.device.snapshots is not None:
+            # On the stream that ran the pass, behind its last MoE layer (see sglang_oea.counters).
+            self.device.snapshots.take(self.routed_steps)
 
     def count(self, mode: str, reason: Optional[str]) -> None:
         """One serving pass of `mode`: applied (reason None) or skipped with `reason`."""
@@ -409,7 +398,7 @@ class OEARuntime:
         if (graph and step.requests < self.cfg.min_batch) or (not graph and not step.apply):
             return None
         routed = self.route_layer(layer, info, logits, ids, weights, capturing, graph)
-        step.tally.rewrote = True
+        step.tally.rewrote |= routed is not None
         return routed
 
     def device_state(self, device: torch.device, capturing: bool) -> DeviceState:
@@ -420,22 +409,33 @@ class OEARuntime:
         return self.device
 
     def route_layer(self, layer: int, info: LayerRouting, logits, ids, weights, capturing: bool, graph: bool):
-        """Run the chosen router on one layer; count distinct experts if the router did not."""
+        """Run the chosen router on one layer; count distinct experts and fold the checksum if the
+        router did not. None when OEA is off for this routing shape (under --oea-kernel auto on
+        CUDA, the kernel failed its self-check on some rank, or cannot run)."""
         state = self.device_state(logits.device, capturing)
         router = self.routers.router_for(info.slot, logits, ids, weights, info.spec, info.num_routed,
-                                         state.stats is not None, capturing)
+                                         state.stats, capturing, checksum=state.checksums)
+        if router is None:
+            self.step.tally.kernel_off = True
+            return None
         rows, lo, hi = self.row_count(router.name, graph)
-        stats_row = None if state.stats is None else state.stats.row(layer)
+        counters = state.counters
+        if counters is not None:
+            counters.note_layer(layer)
+        stats_row = counters.stats_row(layer) if state.stats else None
+        checksum = counters.checksum_slot(layer) if state.checksums else None
         phase = CAPTURE if capturing else WARMUP if graph else EAGER
         new_ids, new_weights, counted = router(info.slot, logits, ids, weights, info.spec, self.cfg.k0,
-                                               info.num_routed, rows, lo, hi, phase, stats_row)
-        if state.stats is not None and not counted:
-            k, n = info.num_routed, logits.shape[1]
+                                               info.num_routed, rows, lo, hi, phase, stats_row, checksum)
+        if counted:
+            return new_ids, new_weights
+        k = info.num_routed
+        if state.stats:
             gate = batch_gate(rows, lo, hi) if isinstance(rows, torch.Tensor) else 1
-            before = distinct_experts(ids[:, :k], n, rows)
-            state.stats.add(layer, before, distinct_experts(new_ids[:, :k], n, rows), gate)
-        if state.checksums is not None:
-            state.checksums[layer].add_(ids_checksum(new_ids[:, :info.num_routed]))
+            before = distinct_experts(ids[:, :k], logits.shape[1], rows)
+            counters.add_stats(layer, before, distinct_experts(new_ids[:, :k], logits.shape[1], rows), gate)
+        if state.checksums:
+            checksum.add_(ids_checksum(new_ids[:, :k], rows))
         return new_ids, new_weights
 
     def row_count(self, router: str, graph: bool):

@@ -4,8 +4,11 @@ Each rank runs it once per routing shape, the first time it routes on CUDA and b
 capture: random router inputs with this model's exact N, K, shared-expert columns, scoring
 (softmax, or sigmoid with this layer's correction bias and group restriction) and dtypes, at a
 few batch sizes, one of them with padded rows. It passes when the kernel's ids equal the torch
-path's exactly and its weights agree within WEIGHT_TOLERANCE (and, with counting on, its
-distinct-expert counters equal reference.distinct_experts).
+path's exactly and its weights agree within WEIGHT_TOLERANCE (with counting on, its distinct-expert
+counters equal reference.distinct_experts; with the rank check on, the checksum it folds in equals
+reference.ids_checksum of the torch path's ids).
+
+Its verdict is this rank's alone; sglang_oea.routers makes the ranks agree on it.
 """
 
 from dataclasses import dataclass
@@ -13,7 +16,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from sglang_oea.reference import batch_gate, distinct_experts
+from sglang_oea.reference import batch_gate, distinct_experts, ids_checksum
 from sglang_oea.routing import RouterSpec, route_from_logits, score_experts
 
 # (rows, real rows) per trial: a single row, padded rows, a full batch.
@@ -29,6 +32,8 @@ class RoutingShape:
     """Everything about a routing call that selects a compiled kernel variant.
 
     num_experts: N; num_routed: K; num_columns: K + fused shared-expert columns.
+    stats: the call adds distinct-expert counters (stats=); checksum: it folds the rank-check
+    checksum of its ids in (checksum=).
     """
 
     num_experts: int
@@ -39,6 +44,7 @@ class RoutingShape:
     ids_dtype: torch.dtype
     weights_dtype: torch.dtype
     stats: bool
+    checksum: bool = False
 
     def describe(self) -> str:
         scoring, has_bias, groups, restrict = self.spec_key
@@ -73,7 +79,8 @@ def trial_inputs(shape: RoutingShape, spec: RouterSpec, rows: int, gen: torch.Ge
 
 
 def compare_trial(shape: RoutingShape, spec: RouterSpec, k0: int, rows: int, real: int, logits, ids, w,
-                  got_ids, got_w, stats: Optional[torch.Tensor]) -> Optional[str]:
+                  got_ids, got_w, stats: Optional[torch.Tensor],
+                  checksum: Optional[torch.Tensor] = None) -> Optional[str]:
     """None when the kernel's output of one trial matches the torch path, else what differed."""
     k = shape.num_routed
     want_ids, want_w = route_from_logits(logits, ids[:, :k], w[:, :k], spec, k0, real)
@@ -98,6 +105,10 @@ def compare_trial(shape: RoutingShape, spec: RouterSpec, k0: int, rows: int, rea
                 int(distinct_experts(want_ids, shape.num_experts, real))] if bool(batch_gate(real, 1, 0)) else [0, 0, 0]
         if stats.cpu().tolist() != want:
             return f"{where}: expert counters {stats.cpu().tolist()}, expected {want}"
+    if checksum is not None:
+        got_sum, want_sum = (int(t) & (1 << 64) - 1 for t in (checksum.cpu()[0], ids_checksum(want_ids, real)))
+        if got_sum != want_sum:
+            return f"{where}: ids checksum {got_sum:#018x}, expected {want_sum:#018x}"
     return None
 
 
@@ -106,18 +117,22 @@ def run_self_check(kernel_route, shape: RoutingShape, spec: RouterSpec, k0: int,
     """None when every trial passes, else one line saying what differed (or what raised).
 
     Args:
-        kernel_route: `kernel_route(logits, ids, weights, rows_tensor, stats) -> (ids, weights)`,
-            the fused kernel exactly as the runtime launches it (1-element int32 row count).
+        kernel_route: `kernel_route(logits, ids, weights, rows_tensor, stats, checksum) -> (ids, weights)`,
+            the fused kernel exactly as the runtime launches it (1-element int32 row count; stats a
+            [3] int64 tensor or None; checksum a [1] int64 tensor or None, per the shape).
     """
     gen = torch.Generator().manual_seed(seed)
     for rows, real in trials:
-        logits, ids, w = trial_inputs(shape, spec, rows, gen, device)
-        stats = torch.zeros(3, dtype=torch.int64, device=device) if shape.stats else None
+        # A compile, launch or allocation failure (an OOM) is a failed self-check, reported: nothing
+        # may raise past here, since every rank must reach the agreement that follows (routers.py).
         try:
+            logits, ids, w = trial_inputs(shape, spec, rows, gen, device)
+            stats = torch.zeros(3, dtype=torch.int64, device=device) if shape.stats else None
+            checksum = torch.zeros(1, dtype=torch.int64, device=device) if shape.checksum else None
             real_rows = torch.full((1,), real, dtype=torch.int32, device=device)
-            got_ids, got_w = kernel_route(logits, ids, w, real_rows, stats)
-            error = compare_trial(shape, spec, k0, rows, real, logits, ids, w, got_ids, got_w, stats)
-        except Exception as exc:  # a compile or launch failure is a failed self-check, reported
+            got_ids, got_w = kernel_route(logits, ids, w, real_rows, stats, checksum)
+            error = compare_trial(shape, spec, k0, rows, real, logits, ids, w, got_ids, got_w, stats, checksum)
+        except Exception as exc:
             first_line = (str(exc).strip().splitlines() or [""])[0]
             error = f"B={rows} ({real} real): {type(exc).__name__}: {first_line}"
         if error is not None:

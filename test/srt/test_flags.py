@@ -1,6 +1,7 @@
 """The --oea-* flags: parsing, defaults, the deprecated variable, and every startup refusal."""
 
 import argparse
+import atexit
 import json
 import logging
 import multiprocessing
@@ -161,6 +162,7 @@ def test_valid_server_passes_and_reports_shape(moe_model):
     ({"attn_dp_size": 2}, "DP attention"),
     ({"dp_size": 2}, "--dp-size 1 only"),
     ({"use_ray": True}, "--use-ray"),
+    ({"moe_a2a_backend": "deepep"}, r"--moe-a2a-backend none only \(all-to-all expert dispatch is expert parallel, .*got deepep"),
     ({"moe_runner_backend": "flashinfer_trtllm"}, "--moe-runner-backend flashinfer_trtllm .* use --moe-runner-backend triton"),
     ({"moe_runner_backend": "triton_kernel"}, "--moe-runner-backend triton_kernel"),
     ({"moe_runner_backend": "flashinfer_mxfp4"}, "--moe-runner-backend flashinfer_mxfp4"),
@@ -257,6 +259,52 @@ def test_resolution_refusal_is_one_line_on_the_command_line(moe_model, auto_reso
                                      "flashinfer_trtllm")
 
 
+@pytest.fixture
+def oea_hooks(monkeypatch):
+    monkeypatch.setenv(hooks.CONFIG_ENV, "")  # restored after the test: the hooks publish into it
+    hooks.install()
+
+
+def test_resolved_all_to_all_dispatch_is_refused(moe_model, oea_hooks):
+    """--enable-waterfill makes SGLang's resolution choose the deepep all-to-all backend, and with it
+    ep_size = tp_size: neither flag was given, so only the resolved values show it."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", moe_model, "--device", "cpu", "--tp", "2", "--enable-waterfill"]
+    plain = prepare_server_args(argv)
+    plain.resolve_once()
+    view = resolved_view(plain)
+    assert (plain.moe_a2a_backend, plain.ep_size) == ("none", 1) and (view.moe_a2a_backend, view.ep_size) == ("deepep", 2)
+    server_args = prepare_server_args([*argv, "--oea-k0", "3"])
+    with pytest.raises(SystemExit) as exc:
+        server_args.resolve_once()
+    assert str(exc.value) == ("sglang-oea: error: --oea-k0 supports --moe-a2a-backend none only (all-to-all expert "
+                              "dispatch is expert parallel, which is not supported yet); SGLang's argument resolution "
+                              "chose deepep")
+
+
+def test_resolved_expert_parallel_is_refused(moe_model, oea_hooks):
+    from sglang.srt.arg_groups.overrides import declare_resolution
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", moe_model, "--device", "cpu", "--oea-k0", "3"])
+    server_args.resolve_once()
+    hooks.check_resolved_arguments(server_args)  # the defaults pass
+    declare_resolution(server_args, "test", ep_size=4)  # as a resolution step would
+    with pytest.raises(hooks.OEAStartupError, match=r"--ep-size 1 only .*got 4 \(after SGLang's argument resolution\)"):
+        hooks.check_resolved_arguments(server_args)
+
+
+def test_engine_refuses_resolved_all_to_all_dispatch(moe_model, oea_hooks, monkeypatch):
+    import sglang
+
+    # Engine.__init__ registers its shutdown at exit before it resolves the arguments; nothing to shut down here.
+    monkeypatch.setattr(atexit, "register", lambda fn, *args, **kwargs: fn)
+    with pytest.raises(hooks.OEAStartupError, match="SGLang's argument resolution chose deepep"):
+        sglang.Engine(model_path=moe_model, device="cpu", tp_size=2, enable_waterfill=True, oea_k0=2)
+
+
 def test_speculative_decoding_says_whether_verify_passes_are_routed(moe_model, caplog):
     load = lambda: json.load(open(f"{moe_model}/config.json"))  # noqa: E731
     with caplog.at_level(logging.INFO):
@@ -320,6 +368,7 @@ def test_launch_server_help_lists_the_oea_group():
     (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
     (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
     (["--oea-k0", "3", "--oea-kernel", "triton"], "sglang-oea: error: --oea-kernel triton needs a CUDA device"),
+    (["--oea-k0", "3", "--moe-a2a-backend", "deepep"], "sglang-oea: error: --oea-k0 supports --moe-a2a-backend none only"),
 ])
 def test_cli_refusals_exit_before_loading(moe_model, extra, message):
     proc, _ = run_launcher(["--model-path", moe_model, "--load-format", "dummy", "--device", "cpu", *extra])
@@ -333,6 +382,17 @@ def test_cli_refuses_dense_model(dense_model):
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("sglang-oea: error: --oea-k0 needs a mixture-of-experts model")
+
+
+def test_cli_refuses_resolved_all_to_all_dispatch_in_one_line(moe_model):
+    proc, _ = run_launcher(["--model-path", moe_model, "--load-format", "dummy", "--device", "cpu", "--tp", "2",
+                            "--enable-waterfill", "--oea-k0", "2"])
+    assert proc.returncode != 0
+    assert proc.stderr.count("sglang-oea: error:") == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "sglang-oea: error: --oea-k0 supports --moe-a2a-backend none only (all-to-all expert dispatch is expert "
+        "parallel, which is not supported yet); SGLang's argument resolution chose deepep")
+    assert "Load weight" not in proc.stderr + proc.stdout
 
 
 def test_engine_keyword_refusal(moe_model):
@@ -358,15 +418,27 @@ def test_engine_keywords_behave_like_the_flags(moe_model, monkeypatch, keywords,
         hooks.engine_init_hook(lambda self, **kw: None, None, model_path=moe_model, oea_k0=2, oea_disable_stats="yes")
 
 
-def _child_reads_config(queue, server_args):
-    from sglang.srt.plugins import load_plugins
+class PluginsLoaded(Exception):
+    """Stops a process entry of SGLang's right after its load_plugins()."""
 
-    load_plugins()
-    queue.put({
-        "oea": getattr(server_args, "_oea", None),
-        "published": hooks.published_config().as_dict(),
-        "missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
-    })
+
+def _child_reads_config(queue, server_args):
+    """A scheduler process as SGLang starts one (run_scheduler_process), up to its plugins."""
+    from sglang.srt.managers import scheduler
+
+    def report(*args, **kwargs):
+        queue.put({
+            "oea": getattr(server_args, "_oea", None),
+            "published": hooks.published_config().as_dict(),
+            "missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
+        })
+        raise PluginsLoaded
+
+    scheduler.resolve_spawn_dp_rank = report  # its first statement after load_plugins()
+    try:
+        scheduler.run_scheduler_process(server_args, None, 0, 0, 0, None, None)
+    except PluginsLoaded:
+        pass
 
 
 def test_spawned_scheduler_process_sees_the_flags(moe_model):
@@ -402,6 +474,56 @@ def test_plugin_installed_but_off_wraps_no_routing_target():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["routing_missing"] == list(hooks.ROUTING_TARGETS), "no routing target is wrapped when OEA is off"
     assert result["cli_missing"] == [], "the flags are still available"
+
+
+# Each process that loads plugins, run from its SGLang entry up to its first statement after
+# load_plugins(): the hooks it has then. The launcher (launch_server, sglang serve, Engine) calls
+# load_plugins() itself; here with a config already published, as in a second Engine.
+PROCESS_PROBE = """
+import json, sys
+from sglang_oea import hooks
+
+class PluginsLoaded(Exception):
+    pass
+
+def report(*args, **kwargs):
+    print(json.dumps({"routing_missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
+                      "cli_missing": hooks.missing_hooks(hooks.CLI_TARGETS)}))
+    raise PluginsLoaded
+
+role = sys.argv[1]
+if role == "scheduler":
+    from sglang.srt.managers import scheduler as entry
+    entry.resolve_spawn_dp_rank = report
+    run = lambda: entry.run_scheduler_process(None, None, 0, 0, 0, None, None)
+elif role == "detokenizer":
+    from sglang.srt.managers import detokenizer_manager as entry
+    entry.configure_logger = report
+    run = lambda: entry.run_detokenizer_process(None, None)
+elif role == "dp_controller":
+    from sglang.srt.managers import data_parallel_controller as entry
+    entry.publish = report
+    run = lambda: entry.run_data_parallel_controller_process(None, None, None)
+else:
+    from sglang.srt.plugins import load_plugins
+    run = lambda: (load_plugins(), report())
+try:
+    run()
+except PluginsLoaded:
+    pass
+"""
+
+
+@pytest.mark.parametrize("role", ["scheduler", "detokenizer", "dp_controller", "launcher"])
+def test_only_scheduler_processes_get_the_routing_hooks(role):
+    env = cpu_environment()
+    env[hooks.CONFIG_ENV] = json.dumps(OEAConfig(k0=2).as_dict())
+    proc = subprocess.run([sys.executable, "-c", PROCESS_PROBE, role], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["routing_missing"] == ([] if role == "scheduler" else list(hooks.ROUTING_TARGETS))
+    assert result["cli_missing"] == [], "the flags' hooks are in every process"
 
 
 def test_a_hook_target_gone_from_sglang_is_reported_missing():

@@ -20,6 +20,7 @@ import torch
 from oea_fixtures import NUM_EXPERTS, TOP_K, assert_reference_routing, router_inputs, run_in_interpreter, topk_config
 from sglang_oea import runtime as runtime_module
 from sglang_oea.config import OEAConfig
+from sglang_oea.counters import stats_between
 from sglang_oea.reference import distinct_experts
 from sglang_oea.routers import GraphCaptureError
 from sglang_oea.routing import RouterSpec, route_from_logits
@@ -119,10 +120,10 @@ def test_closed_gate_is_bit_identical_to_the_router(captured, real_rows):
 
 def test_stats_count_only_replays_with_an_open_gate(captured):
     rt, capture, inputs = captured
-    rt.stats.drain()  # the warm-ups and the capture ran with the device gate of whatever rows it held
+    mark = rt.counters.snapshot_now()  # the warm-ups and the capture ran with the device gate of whatever rows it held
     for rows in (9, 2, 14, 9):
         replay(rt, capture, inputs, BUCKET, rows, CONFIG)
-    layers = rt.stats.drain()
+    layers = stats_between(rt.counters.snapshot_now(), mark)
     assert layers[:, 3].tolist() == list(LAYERS)
     logits, ids, _ = inputs[LAYERS[1]]
     steps, before, after = layers[1, :3].tolist()
@@ -182,9 +183,9 @@ def test_verify_replays_are_counted_as_verify_steps(captured_verify):
 
 def test_verify_stats_count_token_rows(captured_verify):
     rt, _, inputs = captured_verify
-    rt.stats.drain()
+    mark = rt.counters.snapshot_now()
     verify_replay(captured_verify, 3)
-    steps, before, after = rt.stats.drain()[0, :3].tolist()
+    steps, before, after = stats_between(rt.counters.snapshot_now(), mark)[0, :3].tolist()
     _, ids, _ = inputs[LAYERS[0]]
     assert steps == 1 and before == distinct_experts(ids, NUM_EXPERTS, 3 * DRAFTS).item() and after < before
 
@@ -309,15 +310,15 @@ def test_workspace_a_graph_uses_is_never_replaced(monkeypatch, capture):
     inputs = {0: router_inputs(BUCKET, seed=0)}
     capture_bucket(rt, capture, inputs, BUCKET, CONFIG)
     router = rt.routers.triton
-    ws = router.workspaces[0]
+    ws = router.workspaces[0, torch.int32, torch.float32]
     pointers = (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr())
     big = BUCKET + 7
     logits, ids, weights = router_inputs(big, seed=9)
     rt.begin_step(DECODE, big)
     got_ids, _ = rt.route(ids, weights, CONFIG, logits, 0)
     rt.end_step()
-    assert router.workspaces[0] is ws and (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr()) == pointers
-    assert router.overflow[0].max_rows >= big
+    assert router.workspaces[0, torch.int32, torch.float32] is ws and (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr()) == pointers
+    assert router.overflow[0, torch.int32, torch.float32].max_rows >= big
     assert torch.equal(got_ids.long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, big)[0])
     out = replay(rt, capture, inputs, BUCKET, 9, CONFIG)  # the graph's workspace still serves
     logits, ids, weights = inputs[0]

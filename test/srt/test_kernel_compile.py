@@ -12,14 +12,14 @@ the test also compiles through Triton's launch path itself (`JITFunction.warmup`
 stand-in that only reports the target) and checks that Triton's cache hash is the offline one.
 
 Coverage design. The full product of every setting (N x K x scoring x ids x logits x weights x
-stats x shared-expert column x 3 archs = 9216 compiles at ~0.3-1.3 s CPU each) does not fit the CI
-budget of ~4 minutes on 2 cores. So:
+stats x shared-expert column x checksum x 3 archs = 18432 compiles at ~0.3-1.3 s CPU each) does not
+fit the CI budget of ~4 minutes on 2 cores. So:
   - the full N x K x scoring product is compiled for every arch: N in (64, 128, 160, 256, 384, 512),
     K in (6, 8, 10, 16), softmax and sigmoid + correction bias + grouped restriction (8 groups);
-  - ids int32/int64, logits bf16/fp32, weights fp32/bf16, stats off/on and 0/1 fused shared-expert
-    columns rotate: each takes both values within every (N, K) pair (the softmax and the sigmoid
-    case of a pair differ in all of them), so every value meets every N and every K on every arch
-    (test_rotation_covers_every_value checks this);
+  - ids int32/int64, logits bf16/fp32, weights fp32/bf16, stats off/on, 0/1 fused shared-expert
+    columns and the rank-check checksum off/on rotate: each takes both values within every (N, K)
+    pair (the softmax and the sigmoid case of a pair differ in all of them), so every value meets
+    every N and every K on every arch (test_rotation_covers_every_value checks this);
   - the row count is always a 1-element int32 tensor (the kernels' only variant).
 That is 48 cases x 2 kernels x 3 archs = 288 compiles: about 2-2.5 minutes on an idle 2-core
 machine with a process pool of 2.
@@ -74,8 +74,9 @@ def test_offline_compiles(tmp_path, monkeypatch):
     assert compile_table.problems(rows) == []
 
     # Triton's own launch path (JITFunction.warmup, no GPU) builds the same binaries: one case per
-    # arch with every optional input (sigmoid, bias, groups, stats, a shared-expert column).
-    full = [c for c in cases if c.scoring == "sigmoid" and c.stats and c.extra]
+    # arch with every optional input (sigmoid, bias, groups, stats, a shared-expert column, checksum).
+    full = [c for c in cases if c.scoring == "sigmoid" and c.stats and c.extra and c.checksum]
+    assert len(full) >= len(compile_table.ARCHS)
     for arch, case in zip(compile_table.ARCHS, full):
         offline = {r.result.kernel: r.result.hash for r in rows if r.arch == arch and r.case == case}
         for launch in compile_table.plan(case):

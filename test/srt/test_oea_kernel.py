@@ -10,8 +10,16 @@ here and test_whole_file_in_the_interpreter runs this file in a child process th
 
 The interpreter costs ~20-40 ms per row, so the grid is sampled: every listed N, K and every
 k0 < K appears in some case. Half of the grid also passes the expert counters (`stats=`) and
-checks them against sglang_oea.reference.distinct_experts and batch_gate. The grid, the inputs and the comparison live in
-benchmark/oea/gpu_cases.py, which benchmark/oea/gpu_check.py also runs on a GPU.
+checks them against sglang_oea.reference.distinct_experts and batch_gate; half (crossed with it)
+passes the rank-check checksum (`checksum=`) and checks it against reference.ids_checksum. The
+grid, the inputs and the comparison live in benchmark/oea/gpu_cases.py, which
+benchmark/oea/gpu_check.py also runs on a GPU, together with its bitwise score check
+(check_score_bits), which these tests run in the interpreter.
+
+In the interpreter the kernel's exp is numpy's, while the torch path's is torch's CPU exp, which
+differs in the last bit for many inputs (and even between its vectorised body and scalar tail):
+sigmoid scores agree here only up to such ulps. Softmax selection is the logit itself, the same
+bits on both paths everywhere.
 """
 
 import importlib
@@ -79,6 +87,12 @@ def test_grid_covers_every_listed_value():
     assert any(c.nv is not None and 0 < c.nv < c.B for c in counted)  # padded rows
     assert any(c.nv == 0 for c in counted) and any(c.nv is None for c in counted)
     assert {"0d", "1d", "int"} <= {c.nv_kind for c in counted} and any(c.restrict for c in counted)
+    summed = [c for c in CASES if c.checksum]
+    assert 0 < len(summed) < len(CASES) and {(True, True), (True, False), (False, True), (False, False)} == {
+        (c.stats, c.checksum) for c in CASES}
+    assert any(c.nv is not None and 0 < c.nv < c.B for c in summed) and any(c.nv == 0 for c in summed)
+    assert {"softmax", "sigmoid"} == {c.scoring for c in summed} and any(c.bias for c in summed)
+    assert {torch.int32, torch.int64} == {c.ids_dtype for c in summed}
 
 
 @needs_kernel
@@ -201,10 +215,10 @@ def test_stats_argument_is_checked():
 def test_k0_at_least_k_returns_the_router_tensors():
     case = Case(B=5, N=64, K=4, k0=4)
     logits, ids, w, spec = _inputs(case, SEED)
-    sums = torch.zeros(3, dtype=torch.int64, device=DEVICE)
-    out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None, stats=sums)
+    table, row, slot = gpu_check.new_counters(DEVICE)
+    out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None, stats=row, checksum=slot)
     assert out_ids is ids and out_w is w
-    assert not sums.any()  # no launch, nothing counted (documented)
+    assert not table.any()  # no launch, nothing counted or summed (documented)
 
 
 @needs_kernel
@@ -257,8 +271,10 @@ def test_shared_expert_columns_pass_through(min_batch):
     shared_ids = torch.tensor([[64, 65]], dtype=ids.dtype, device=DEVICE).expand(9, 2)
     shared_w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1)).to(device=DEVICE, dtype=w.dtype)
     full_ids, full_w = torch.cat([ids, shared_ids], 1), torch.cat([w, shared_w], 1)
-    out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=8, num_valid_rows=case.nv)
+    table, _, slot = gpu_check.new_counters(DEVICE)
+    out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=8, num_valid_rows=case.nv, checksum=slot)
     assert out_ids.shape == (9, 10) and torch.equal(out_ids[:, 8:], shared_ids) and torch.equal(out_w[:, 8:], shared_w)
+    assert gpu_check.checksum_error(case, table, 1, gpu_check.expected_checksum(case, logits, ids, w, spec)) is None
     if min_batch <= case.nv:
         _assert_matches_oracle(case, out_ids[:, :8].contiguous(), out_w[:, :8].contiguous(), logits, ids, w, spec)
     else:
@@ -280,6 +296,111 @@ def test_int_and_tensor_row_counts_launch_one_variant():
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
         variants[kind] = [launch.variant() for launch in launched]
     assert len(variants["int"]) == 2 and variants["int"] == variants["0d"] == variants["1d"]
+
+
+# (B, real rows, nv_kind, scoring, shared-expert columns, min_batch, max_batch, stats?, ids dtype): one
+# persistent [L, 4] table over all calls, so every call adds to the checksum the previous ones left.
+CHECKSUM_CALLS = [
+    (16, 16, "1d", "softmax", 0, 1, 0, True, torch.int32),  # full batch
+    (13, 5, "0d", "sigmoid", 0, 1, 0, False, torch.int32),  # padded rows, biased sigmoid
+    (12, 3, "int", "softmax", 1, 4, 0, True, torch.int64),  # gate closed: the router's own ids
+    (9, 9, "1d", "sigmoid", 2, 1, 0, True, torch.int32),  # two shared-expert columns (not summed)
+    (7, 0, "0d", "softmax", 0, 0, 0, False, torch.int64),  # gate open, no real row: adds 0
+    (6, 20, "int", "sigmoid", 1, 1, 0, False, torch.int64),  # more real rows than rows: all 6
+    (14, 8, "1d", "softmax", 0, 2, 8, True, torch.int32),  # gate open at max_batch
+    (10, 9, "0d", "sigmoid", 0, 2, 8, False, torch.int32),  # gate closed above max_batch
+]
+
+
+@needs_kernel
+def test_checksum_matches_the_reference_and_accumulates():
+    """checksum += reference.ids_checksum(out_ids[:, :K], rows) on every call, gate open or closed,
+    with or without stats and shared-expert columns, for int32 and int64 ids; the stats beside it
+    (columns 0-2 of the same table row) stay right, and no other slot is written."""
+    from sglang_oea.reference import ids_checksum
+
+    N, K, k0, layer = 96, 6, 2, 2
+    table = torch.zeros(4, 4, dtype=torch.int64, device=DEVICE)
+    want_sum, want_stats = 0, [0, 0, 0]
+    for i, (B, nv, kind, scoring, shared, lo, hi, counted, ids_dtype) in enumerate(CHECKSUM_CALLS):
+        case = Case(B=B, N=N, K=K, k0=k0, nv=nv, nv_kind=kind, scoring=scoring, bias=scoring == "sigmoid",
+                    ties="bf16", min_batch=lo, max_batch=hi, ids_dtype=ids_dtype)
+        logits, ids, w, spec = _inputs(case, SEED + 60 + i)
+        full_ids = torch.cat([ids, torch.full((B, shared), N, dtype=ids.dtype, device=DEVICE)], dim=1)
+        full_w = torch.cat([w, torch.full((B, shared), 0.5, dtype=w.dtype, device=DEVICE)], dim=1)
+        out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=K,
+                                num_valid_rows=gpu_check.num_valid_arg(case, DEVICE),
+                                stats=table[layer, :3] if counted else None, checksum=table[layer, 3:])
+        _assert_matches_oracle(case, out_ids[:, :K].contiguous(), out_w[:, :K].contiguous(), logits, ids, w, spec)
+        added = int(ids_checksum(out_ids[:, :K], nv))
+        assert added == gpu_check.expected_checksum(case, logits, ids, w, spec), f"call {i}"
+        assert (added == 0) == (nv == 0), f"call {i}: {added=}"
+        want_sum = gpu_check.wrapping_sum(want_sum, added)
+        if counted:
+            want_stats = [a + b for a, b in zip(want_stats, gpu_check.expected_stats(case, logits, ids, w, spec))]
+        err = gpu_check.checksum_error(case, table, layer, want_sum)
+        assert err is None, f"call {i}: {err}"
+        assert table[layer, :3].tolist() == want_stats, f"call {i}"
+        assert not torch.cat([table[:layer], table[layer + 1:]]).any(), f"call {i}: wrote outside the row"
+
+
+@needs_kernel
+def test_checksum_argument_is_checked():
+    case = Case(B=4, N=64, K=4, k0=2)
+    logits, ids, w, spec = _inputs(case, SEED)
+    for bad in (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)):
+        with pytest.raises(AssertionError, match="checksum"):
+            gpu_check.run_kernel(case, logits, ids, w, spec, checksum=bad)
+
+
+@needs_kernel
+def test_checksum_slots_of_every_layer_share_one_variant():
+    """The checksum pointer is never specialised on alignment: the slots of an [L, 4] table (8 mod
+    16 bytes) and a 16-byte-aligned tensor need one binary; the checksum itself, a second one."""
+    case = Case(B=6, N=64, K=8, k0=3, nv=4)
+    logits, ids, w, spec = _inputs(case, SEED)
+    table = torch.zeros(3, 4, dtype=torch.int64, device=DEVICE)
+    variants = []
+    for slot in (table[0, 3:], table[1, 3:], table[2, 3:], torch.zeros(1, dtype=torch.int64, device=DEVICE), None):
+        launched = []
+        _route(case, logits, ids, w, spec, num_valid_rows=4, checksum=slot, before_launch=launched.append)
+        variants.append(launched[1].variant())
+    assert table[0, 3].data_ptr() % 16 == 8 and len(set(variants[:4])) == 1 and variants[4] != variants[0]
+    assert dict(variants[0][2])["CHECKSUM"] and not dict(variants[4][2])["CHECKSUM"]
+
+
+@needs_kernel
+def test_softmax_ranks_by_logit_where_probabilities_tie():
+    """Probabilities that underflow to 0 or round to one value, from logits that differ: both paths
+    rank by the logit (reference on logits), which picks other ids than ranking by probability (the
+    old selection score: ties to the lower id); a -inf logit is never piggybacked."""
+    from sglang_oea.reference import opportunistic_route
+
+    logits, ids, w, spec = gpu_check.probability_tie_inputs(DEVICE)
+    probs = logits.softmax(dim=1)
+    case = Case(B=5, N=64, K=8, k0=3)
+    by_logit = opportunistic_route(logits, probs, ids, w, 3)[0]
+    by_probability = opportunistic_route(probs, probs, ids, w, 3)[0]
+    assert (by_logit != by_probability).any(dim=1).all()  # every row tells the two apart
+    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec)
+    assert torch.equal(out_ids.long(), by_logit)
+    _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
+    assert 16 in out_ids[0, :3].tolist() and 16 not in out_ids[4][out_w[4] > 0].tolist()
+
+
+@needs_kernel
+def test_score_bits_check_in_the_interpreter(monkeypatch):
+    """gpu_check's score-bits check runs here: the kernel's `_scores` is numpy's float32
+    1 / (1 + exp(-x)) (+ bias, one add) bit for bit, softmax's selection is the logit, and the
+    near-tie batches route alike on both paths. Against torch's CPU sigmoid (another exp) the
+    bitwise comparison must fail: it can tell."""
+    errors, lines = gpu_check.check_score_bits(DEVICE)
+    assert errors == [], errors
+    assert len(lines) == 3 and "near tie" in lines[1] and "ok" in lines[2], lines
+    monkeypatch.setattr(gpu_check, "reference_sigmoid", torch.sigmoid)
+    x, bias = gpu_check.score_inputs(4 * gpu_check.SCORE_BLOCK, torch.Generator().manual_seed(3), DEVICE)
+    errors, _ = gpu_check.score_bits(x, bias)
+    assert any("sigmoid w:" in e for e in errors), errors
 
 
 @needs_kernel

@@ -6,10 +6,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oea_brute_force import brute_force_oea, brute_force_weights
 from sglang_oea.reference import (
+    MIX1,
+    MIX2,
+    ROW_SHIFT,
     distinct_experts,
+    ids_checksum,
     opportunistic_route,
     opportunistic_slots,
     opportunistic_topk,
@@ -170,3 +175,70 @@ def test_route_keeps_router_row_sums_and_gates_bit_identically():
     for rows, min_batch, max_batch in [(3, 4, 0), (12, 1, 8), (12, 13, 0)]:
         gated_ids, gated_w = opportunistic_route(probs, probs, topk, weights, 3, rows, min_batch, max_batch)
         assert torch.equal(gated_ids, topk.long()) and torch.equal(gated_w, weights)
+
+
+# ----------------------------------------------------------------------------- rank-check checksum
+
+MASK64 = (1 << 64) - 1
+
+
+def python_checksum(ids, rows=None):
+    """ids_checksum with Python integers mod 2^64, element by element, over the first `rows` rows."""
+    total = 0
+    for r, row in enumerate(ids.tolist()[:rows]):
+        for expert in row:
+            h = (expert + (r << ROW_SHIFT) + 1) * MIX1 & MASK64
+            h = h - (1 << 64) if h >> 63 else h  # >> acts on the signed value
+            h = (h ^ (h >> 31)) * MIX2 & MASK64
+            total = (total + h) & MASK64
+    return total - (1 << 64) if total >> 63 else total
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_ids_checksum_matches_the_integer_definition_over_every_row(dtype):
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 512, (int(torch.randint(1, 40, (1,), generator=gen)), 8), generator=gen, dtype=dtype)
+        got = ids_checksum(ids)
+        assert got.dtype == torch.int64 and got.dim() == 0
+        assert int(got) == python_checksum(ids)
+
+
+def test_ids_checksum_leaves_out_rows_past_the_count_with_any_row_count_kind():
+    ids = torch.randint(0, 1 << 15, (13, 6), generator=torch.Generator().manual_seed(1)).int()
+    for rows in (0, 1, 7, 13, 20):
+        want = python_checksum(ids, rows)
+        assert int(ids_checksum(ids, rows)) == want
+        assert int(ids_checksum(ids[:rows])) == want
+        for as_tensor in (torch.tensor(rows, dtype=torch.int32), torch.tensor([rows], dtype=torch.int32),
+                          torch.tensor([rows], dtype=torch.int64)):
+            assert int(ids_checksum(ids, as_tensor)) == want, (rows, as_tensor)
+    assert int(ids_checksum(ids, 0)) == 0 and int(ids_checksum(ids[:0])) == 0
+
+
+def test_ids_checksum_ignores_column_order_and_sees_a_changed_id():
+    ids = torch.randint(0, 256, (9, 8), generator=torch.Generator().manual_seed(2))
+    base = int(ids_checksum(ids, 6))
+    assert int(ids_checksum(ids[:, torch.randperm(8)], 6)) == base
+    changed = ids.clone()
+    changed[5, 3] += 1
+    assert int(ids_checksum(changed, 6)) != base
+    changed[5, 3] -= 1
+    changed[7, 0] += 1  # a padded row: not part of the digest
+    assert int(ids_checksum(changed, 6)) == base
+
+
+class HostReads(TorchDispatchMode):
+    """Fails on aten ops that read a tensor's values on the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__)
+        assert name not in {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}, f"host read: {func}"
+        return func(*args, **(kwargs or {}))
+
+
+def test_ids_checksum_reads_a_device_row_count_without_a_host_sync():
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(3)).int()
+    with HostReads():
+        got = ids_checksum(ids, torch.tensor([11], dtype=torch.int32))
+    assert int(got) == python_checksum(ids, 11)

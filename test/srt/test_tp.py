@@ -127,15 +127,16 @@ def test_ranks_route_alike_under_load(request, tmp_path_factory, models, arch, k
 
 
 # Loaded by every server process through PYTHONPATH: the last rank's layer-0 checksum, as every rank
-# gathers it, is off by one, as if that rank had routed one expert differently.
+# gathers it, is off by one, as if that rank had routed one expert differently (column 0 of what
+# RankCheck.gather returns is each rank's routed step, column 1 layer 0's checksum).
 FAULT = textwrap.dedent("""
     import sglang_oea.rank_check as rank_check
 
     gather = rank_check.RankCheck.gather
 
-    def gather_with_a_diverged_rank(self, checksums):
-        gathered = gather(self, checksums)
-        gathered[-1, 0] += 1
+    def gather_with_a_diverged_rank(self, local):
+        gathered = gather(self, local)
+        gathered[-1, 1] += 1
         return gathered
 
     rank_check.RankCheck.gather = gather_with_a_diverged_rank

@@ -2,6 +2,22 @@
 
 Shape legend: B = rows (tokens), N = routed experts, K = routed experts per row, K0 = base size.
 
+Scores, in float32, the same bits as sglang_oea.routing.score_experts computes with torch on CUDA:
+    softmax: sel = x (the logit);               w = exp(x - max x) / sum exp(x - max x)
+    sigmoid: w = 1 / (1 + exp(-x));             sel = w + bias (one add), or w
+exp is CUDA's accurate expf (libdevice __nv_expf, not tl.exp's ex2.approx) and "/" the IEEE
+round-to-nearest division (tl.div_rn, not the div.full of "/"). For sigmoid that is PyTorch's own
+formula: its CUDA sigmoid kernel computes 1 / (1 + std::exp(-x)) in float32 (std::exp is expf,
+nvcc's default -prec-div=true makes "/" IEEE), and both links to libdevice are compiled without
+flush-to-zero (enable_reflect_ftz=False, nvcc's default -ftz=false). So the selection scores, which
+decide the ids, are bit-identical to the torch path's as long as PyTorch's CUDA toolkit and
+Triton's bundled libdevice implement expf alike (benchmark/oea/gpu_cases.py check_score_bits checks
+this on the GPU). Softmax ranks by the logit (monotonic: the probability order, without the ties
+that rounding or underflow put into probabilities): both paths read the same logits, so its ids do
+not depend on any exp at all; its weights differ from torch's by the order of the sum (ulps).
+Consequence: an expert whose logit is -inf (selection -inf) is never piggybacked.
+Under TRITON_INTERPRET=1 exp is numpy's, which is not torch's CPU exp in the last bit.
+
 Launch 1 (`_oea_union_kernel`, one program per row) ranks the row's routed top-K and marks its
 base (the K0 best) in a union bitmap U [N] int32. Every writer stores the same value 1, so the
 result does not depend on the order of the programs.
@@ -29,6 +45,10 @@ Determinism: no floating-point atomics (the statistics are integer atomics, so t
 depend on the order either); each row's result depends only on its inputs and on U, so every TP
 rank that sees the same logits produces the same ids and weights.
 
+Optional rank-check checksum (`checksum=`, an int64 [1] view of a persistent buffer): launch 2
+adds reference.ids_checksum(ids[:rows, :K]) of its output ids, gate open or closed: each program
+mixes its own row and adds it with one wrapping integer atomic (order-independent). No extra launch.
+
 Use under CUDA graphs (one workspace per MoE layer, allocated before capture):
 
     ws = OEAWorkspace.allocate(N, K, max_bucket_rows, torch.int32, torch.float32, "cuda")
@@ -50,34 +70,71 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from sglang_oea.reference import MIX1, MIX2, ROW_SHIFT
 
 # An expert id lives in the low 16 bits of a pick key (see _pick_keys).
 MAX_EXPERTS = 1 << 15
 MAX_TOP_K = 64
+# Compile options of every launch: libdevice without flush-to-zero, as nvcc (and so PyTorch)
+# links it by default; Triton's default would flush subnormal exp results to 0.
+COMPILE_OPTIONS = (("enable_reflect_ftz", False),)
+
+# The interpreter cannot call libdevice: there exp is numpy's (chosen when this module is
+# imported, as triton.jit chooses between compiling and interpreting).
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+# The checksum's constants (sglang_oea.reference.ids_checksum).
+_MIX1 = tl.constexpr(MIX1)
+_MIX2 = tl.constexpr(MIX2)
+_ROW_SHIFT = tl.constexpr(ROW_SHIFT)
+
+
+@triton.jit
+def _accurate_exp(x):
+    """exp of float32 x with CUDA's accurate expf (libdevice __nv_expf), not tl.exp's ex2.approx."""
+    if _INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
 
 
 @triton.jit
 def _scores(logits_ptr, bias_ptr, cols, N, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Selection and weight scores [N_PAD] float32 of one row, as in routing.score_experts.
+    """Selection and weight scores [N_PAD] float32 of one row, as routing.score_experts (see the
+    module docstring for why these are torch's bits on CUDA).
 
-    softmax: sel = w = exp(x - max x) / sum exp(x - max x)
+    softmax: sel = x, w = exp(x - max x) / sum exp(x - max x)
     sigmoid: w = 1 / (1 + exp(-x)), sel = w + bias
     Padding columns (>= N) get sel = -inf and w = 0.
     """
     in_row = cols < N
     x = tl.load(logits_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
     if SIGMOID:
-        w = tl.sigmoid(x)
+        # 1 + exp(-x) may be contracted into one FMA with expf's last step, a multiplication by a
+        # power of two: exact unless it over- or underflows, where 1 + e is inf or 1 either way.
+        w = tl.div_rn(1.0, 1.0 + _accurate_exp(-x))
         sel = w
         if HAS_BIAS:
             sel = w + tl.load(bias_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     else:
-        e = tl.exp(x - tl.max(x, axis=0))
-        w = e / tl.sum(e, axis=0)
-        sel = w
+        sel = x
+        e = _accurate_exp(x - tl.max(x, axis=0))
+        w = tl.div_rn(e, tl.sum(e, axis=0))
     sel = tl.where(in_row, sel, float("-inf"))
     w = tl.where(in_row, w, 0.0)
     return sel, w
+
+
+@triton.jit
+def _ids_checksum_part(ids, in_k, row):
+    """Row `row`'s share of reference.ids_checksum: the int64 sum of mix(row, id) over the ids
+    [K_PAD] where in_k. Products and sums wrap mod 2^64: Triton's integer ops carry no overflow
+    flags (LLVM mul/add without nsw wrap), its debug overflow check skips 64-bit integers, and
+    numpy's int64 arrays (the interpreter) wrap too."""
+    h = (ids.to(tl.int64) + ((row << _ROW_SHIFT) + 1)) * _MIX1
+    h = (h ^ (h >> 31)) * _MIX2
+    return tl.sum(tl.where(in_k, h, 0), axis=0)
 
 
 @triton.jit
@@ -139,6 +196,9 @@ def _pick_keys(sel, in_union, held, cols, N, valid):
 # serves every value (an int equal to 1 would otherwise become a compile-time constant).
 UNION_DO_NOT_SPECIALIZE = ("k0",)
 ROUTE_DO_NOT_SPECIALIZE = ("k0", "min_batch", "max_batch")
+# The checksum slot is a view into a [L, 4] int64 table (8 mod 16 bytes): one variant for any
+# alignment, shared by every layer (only one scalar atomic reads the pointer).
+ROUTE_DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("checksum_ptr",)
 
 
 @triton.jit(do_not_specialize=UNION_DO_NOT_SPECIALIZE)
@@ -181,7 +241,8 @@ def _oea_union_kernel(
         tl.store(routed_ptr + ids, ones, mask=in_range & (row < rows))
 
 
-@triton.jit(do_not_specialize=ROUTE_DO_NOT_SPECIALIZE)
+@triton.jit(do_not_specialize=ROUTE_DO_NOT_SPECIALIZE,
+            do_not_specialize_on_alignment=ROUTE_DO_NOT_SPECIALIZE_ON_ALIGNMENT)
 def _oea_route_kernel(
     logits_ptr,
     bias_ptr,
@@ -191,6 +252,7 @@ def _oea_route_kernel(
     routed_ptr,
     counter_ptr,
     stats_ptr,
+    checksum_ptr,
     out_ids_ptr,
     out_weights_ptr,
     num_valid_ptr,
@@ -208,6 +270,7 @@ def _oea_route_kernel(
     HAS_BIAS: tl.constexpr,
     RESTRICT_GROUPS: tl.constexpr,
     STATS: tl.constexpr,
+    CHECKSUM: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     EXTRA: tl.constexpr,
@@ -230,6 +293,7 @@ def _oea_route_kernel(
 
     STATS: the last program adds gate * (1, |R|, T_after) to stats [3] int64 (R from launch 1,
     T_after = max(|U|, K) if num_valid_rows >= 1 else 0) and clears R with U.
+    CHECKSUM: every valid row adds its share of ids_checksum(out_ids[:, :K]) to checksum [1] int64.
     """
     row = tl.program_id(0).to(tl.int64)
     rows = tl.load(num_valid_ptr).to(tl.int32)
@@ -274,13 +338,19 @@ def _oea_route_kernel(
     p = tl.sum(tl.where(out[:, None] == cols[None, :], w[None, :], 0.0), axis=1)
     picked = tl.where(active, p, 0.0)
     total = tl.sum(picked, axis=0)
-    scale = tl.sum(own_w.to(tl.float32), axis=0) / tl.maximum(total, 1.1754943508222875e-38)
+    scale = tl.div_rn(tl.sum(own_w.to(tl.float32), axis=0), tl.maximum(total, 1.1754943508222875e-38))
     new_w = tl.where(total > 0, picked * scale, 0.0)
 
     out_ids = tl.where(gate, out.to(own_ids.dtype), own_ids)
     out_w = tl.where(gate, new_w.to(own_w.dtype), own_w)
     tl.store(out_ids_ptr + row * stride_out_ids + slots, out_ids, mask=in_k)
     tl.store(out_weights_ptr + row * stride_out_weights + slots, out_w, mask=in_k)
+    if CHECKSUM:
+        # One atomic per valid row, in parallel with the other rows, rather than the last program
+        # reading every row's ids in the serial tail below; the wrapping integer sum does not
+        # depend on the order in which the rows arrive.
+        part = _ids_checksum_part(out_ids, in_k, row)
+        tl.atomic_add(checksum_ptr, part, mask=valid, sem="relaxed", scope="gpu")
     if EXTRA > 0:
         # Fused shared-expert columns pass through, gate open or closed.
         extra = K + tl.arange(0, EXTRA_PAD)
@@ -396,26 +466,31 @@ class KernelLaunch:
     do_not_specialize: Tuple[str, ...]
     num_warps: int
     grid: Tuple[int, ...]
+    do_not_specialize_on_alignment: Tuple[str, ...] = ()
+    options: Tuple[Tuple[str, object], ...] = COMPILE_OPTIONS  # compile options besides num_warps
 
     def run(self):
         """Launch; returns Triton's compiled kernel (n_regs / n_spills once loaded on a GPU)."""
-        return self.kernel[self.grid](**dict(self.args), **dict(self.constexprs), num_warps=self.num_warps)
+        return self.kernel[self.grid](**dict(self.args), **dict(self.constexprs), num_warps=self.num_warps,
+                                      **dict(self.options))
 
     def specialization(self) -> Tuple[Tuple[str, object], ...]:
         """(type, specialization) per runtime argument, as Triton keys its compile cache: dtype and
-        16-byte alignment of pointers, int width and divisibility by 16 (an int equal to 1 becomes
-        a constant) unless the argument is never specialised."""
+        16-byte alignment of pointers (unless never specialised on alignment), int width and
+        divisibility by 16 (an int equal to 1 becomes a constant) unless never specialised."""
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
 
         return tuple(
-            native_specialize_impl(BaseBackend, value, False, name not in self.do_not_specialize, True)
+            native_specialize_impl(BaseBackend, value, False, name not in self.do_not_specialize,
+                                   name not in self.do_not_specialize_on_alignment)
             for name, value in self.args
         )
 
     def variant(self) -> tuple:
-        """A hashable name of the compiled binary this launch needs (equal names, one binary)."""
-        return (self.kernel.fn.__name__, self.specialization(), self.constexprs, self.num_warps)
+        """A hashable name of the compiled binary this launch needs (equal names, one binary):
+        (kernel name, specialization, constexprs, num_warps, options)."""
+        return (self.kernel.fn.__name__, self.specialization(), self.constexprs, self.num_warps, self.options)
 
 
 def _num_warps(n_pad: int, k_pad: int) -> int:
@@ -439,6 +514,7 @@ def kernel_launches(
     min_batch: int = 1,
     max_batch: int = 0,
     stats: Optional[torch.Tensor] = None,
+    checksum: Optional[torch.Tensor] = None,
 ) -> Tuple[KernelLaunch, KernelLaunch]:
     """The two launches of one `oea_route` call (arguments as there, already checked), unlaunched."""
     num_rows, num_experts = router_logits.shape
@@ -472,6 +548,7 @@ def kernel_launches(
             ("topk_weights_ptr", topk_weights), ("union_ptr", workspace.union), ("routed_ptr", workspace.routed),
             ("counter_ptr", workspace.counter),
             ("stats_ptr", workspace.counter if stats is None else stats),  # placeholder pointer without stats
+            ("checksum_ptr", workspace.counter if checksum is None else checksum),  # placeholder without checksum
             ("out_ids_ptr", out_ids), ("out_weights_ptr", out_weights), ("num_valid_ptr", num_valid_rows),
             ("k0", k0), ("N", num_experts), ("group_size", num_experts // num_groups if restrict else num_experts),
             ("min_batch", min_batch), ("max_batch", max_batch), ("stride_logits", router_logits.stride(0)),
@@ -479,17 +556,19 @@ def kernel_launches(
             ("stride_out_ids", out_ids.stride(0)), ("stride_out_weights", out_weights.stride(0)),
         ),
         constexprs=tuple(shared.items()) + (
-            ("RESTRICT_GROUPS", restrict), ("EXTRA", extra), ("EXTRA_PAD", triton.next_power_of_2(max(extra, 1))),
+            ("RESTRICT_GROUPS", restrict), ("CHECKSUM", checksum is not None), ("EXTRA", extra),
+            ("EXTRA_PAD", triton.next_power_of_2(max(extra, 1))),
         ),
         do_not_specialize=ROUTE_DO_NOT_SPECIALIZE,
         num_warps=num_warps,
         grid=(num_rows,),
+        do_not_specialize_on_alignment=ROUTE_DO_NOT_SPECIALIZE_ON_ALIGNMENT,
     )
     return union, route
 
 
 def check_arguments(router_logits, topk_ids, topk_weights, k0, num_routed, scoring_func, correction_bias,
-                    num_groups, restrict_groups, stats) -> None:
+                    num_groups, restrict_groups, stats, checksum=None) -> None:
     """Assert that one `oea_route` call is well formed (shapes, dtypes, devices: no device sync)."""
     assert router_logits.dim() == 2 and topk_ids.dim() == 2, f"{router_logits.shape=} {topk_ids.shape=}"
     assert topk_weights.shape == topk_ids.shape, f"{topk_weights.shape=} {topk_ids.shape=}"
@@ -508,6 +587,11 @@ def check_arguments(router_logits, topk_ids, topk_weights, k0, num_routed, scori
             f"stats must be a contiguous int64 tensor of 3 elements: {stats.dtype=} {stats.shape=}"
         )
         assert stats.device == router_logits.device, f"{stats.device=} {router_logits.device=}"
+    if checksum is not None:
+        assert checksum.dtype == torch.int64 and checksum.numel() == 1, (
+            f"checksum must be an int64 tensor of 1 element: {checksum.dtype=} {checksum.shape=}"
+        )
+        assert checksum.device == router_logits.device, f"{checksum.device=} {router_logits.device=}"
     if scoring_func == "sigmoid" and correction_bias is not None:
         assert correction_bias.shape == (num_experts,) and correction_bias.is_contiguous(), f"{correction_bias.shape=}"
         assert correction_bias.device == router_logits.device, f"{correction_bias.device=}"
@@ -540,6 +624,7 @@ def oea_route(
     max_batch: int = 0,
     workspace: Optional[OEAWorkspace] = None,
     stats: Optional[torch.Tensor] = None,
+    checksum: Optional[torch.Tensor] = None,
     before_launch: Optional[Callable[[KernelLaunch], None]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gated OEA routing from logits; same result as sglang_oea.routing.route_from_logits.
@@ -571,13 +656,21 @@ def oea_route(
             completes every valid row from one shared fill order, so this is exactly the
             number of distinct output experts (tested against reference.distinct_experts).
             Nothing is added when k0 >= K or B == 0: those calls launch no kernel.
+        checksum: None, or an int64 tensor of 1 element on the logits' device (e.g. the view
+            counters[layer, 3:4] of a persistent [L, 4] buffer: any alignment, one compiled
+            variant for all layers). The call adds, on the device (integer atomics, wrapping mod
+            2^64, order-independent; no host sync, no extra launch, graph-safe)
+              checksum += reference.ids_checksum(ids[:, :K], rows)
+            the rank-check digest of the routed output ids of the rows r < rows, gate open (OEA's
+            ids) or closed (the router's own). Nothing is added when k0 >= K or B == 0 (no
+            launch): the caller adds reference.ids_checksum(topk_ids[:, :K], rows) itself then.
         before_launch: called with each KernelLaunch just before it runs (e.g. to record the
             compiled variants before graph capture, or to refuse an unseen one during it).
     Returns:
         ids [B, C] (topk_ids dtype) and weights [B, C] (topk_weights dtype).
     """
     check_arguments(router_logits, topk_ids, topk_weights, k0, num_routed, scoring_func, correction_bias,
-                    num_groups, restrict_groups, stats)
+                    num_groups, restrict_groups, stats, checksum)
     num_rows, num_experts = router_logits.shape
     if k0 >= (topk_ids.shape[1] if num_routed is None else num_routed):
         return topk_ids, topk_weights
@@ -592,7 +685,7 @@ def oea_route(
     launches = kernel_launches(
         router_logits, topk_ids, topk_weights, k0=k0, num_valid_rows=rows, workspace=workspace,
         num_routed=num_routed, scoring_func=scoring_func, correction_bias=correction_bias, num_groups=num_groups,
-        restrict_groups=restrict_groups, min_batch=min_batch, max_batch=max_batch, stats=stats,
+        restrict_groups=restrict_groups, min_batch=min_batch, max_batch=max_batch, stats=stats, checksum=checksum,
     )
     for launch in launches:
         if before_launch is not None:
