@@ -11,13 +11,14 @@ greedy token: a test that compares outputs needs real weights to be able to fail
 qwen3_moe: softmax routing (Qwen3MoeForCausalLM).
 glm4_moe:  sigmoid routing with a correction bias, expert groups and a shared expert
            (Glm4MoeForCausalLM), the routing family of GLM-4.5 and GLM-5.
-The tokenizer is a small byte-level BPE trained here on a fixed text, so nothing is downloaded.
+The tokenizer is a small byte-level BPE trained here on a fixed text, so nothing is downloaded
+(benchmark/oea/train_moe.py trains it on its corpus instead, through write_model's `texts`).
 """
 
 import argparse
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -31,8 +32,8 @@ CORPUS_LINE = (
 )
 
 
-def train_tokenizer(out_dir: str, vocab_size: int) -> int:
-    """Train a byte-level BPE on a fixed corpus; write tokenizer files; return the vocab size."""
+def train_tokenizer(out_dir: str, vocab_size: int, texts: Optional[Iterable[str]] = None) -> int:
+    """Train a byte-level BPE on `texts` (default: a fixed line); write tokenizer files; return the vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -43,7 +44,7 @@ def train_tokenizer(out_dir: str, vocab_size: int) -> int:
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator([CORPUS_LINE] * 64, trainer=trainer)
+    tokenizer.train_from_iterator([CORPUS_LINE] * 64 if texts is None else texts, trainer=trainer)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -123,10 +124,10 @@ def glm4_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
     }
 
 
-def write_model(args: argparse.Namespace) -> str:
-    """Write config.json and tokenizer files into args.out; return the directory."""
+def write_model(args: argparse.Namespace, texts: Optional[Iterable[str]] = None) -> str:
+    """Write config.json and tokenizer files (BPE trained on `texts`, see train_tokenizer) into args.out."""
     os.makedirs(args.out, exist_ok=True)
-    vocab_size = train_tokenizer(args.out, args.vocab_size)
+    vocab_size = train_tokenizer(args.out, args.vocab_size, texts)
     base = common_config(args, vocab_size, eos_id=SPECIAL_TOKENS.index("<|endoftext|>"))
     build = qwen3_moe_config if args.arch == "qwen3_moe" else glm4_moe_config
     _write_json(os.path.join(args.out, "config.json"), build(args, base))
