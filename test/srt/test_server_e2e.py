@@ -1,4 +1,11 @@
-"""End to end on the real SGLang server (CPU engine, tiny dummy-weight models of both archs).
+"""End to end on the real SGLang server (CPU engine): the trained checkpoints of both router
+families (benchmark/oea/models) for every comparison of outputs, tiny dummy-weight models where
+only the mechanics are under test.
+
+The trained models route as they learned to, so a routing change moves greedy tokens: the
+identity tests (plugin off, k0 >= top-k) can fail, and test_glm_serves_with_oea... shows that one
+does. Plain SGLang's greedy output equals transformers' for the same checkpoint and prompts, the
+proof that SGLang serves the weights we trained.
 
 One server at a time (this machine has 2 cores); each module-scoped fixture owns one server.
 """
@@ -21,6 +28,15 @@ from sglang_oea.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
 PROMPTS = ["The experts of a batch", "Memory bound decode means", "Tokens borrow experts", "0123 4567 89"]
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "benchmark", "oea", "models")
+TRAINED = {"qwen3_moe_trained": os.path.join(TRAINED_DIR, "qwen3_moe_stdlib"),
+           "glm4_moe_trained": os.path.join(TRAINED_DIR, "glm4_moe_stdlib")}
+HELDOUT_PROMPTS, HELDOUT_PROMPT_LEN, GREEDY_TOKENS = 4, 40, 24
+# The trained-model servers of this file compute in float32, as transformers_greedy does: in
+# bfloat16, SGLang's kernels and transformers' round differently and a near-tie flips a greedy token
+# now and then (one of these four prompts did), which says nothing about the weights.
+FP32 = ("--dtype", "float32")
 
 
 def make_model(directory, arch, *extra):
@@ -32,12 +48,10 @@ def make_model(directory, arch, *extra):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Both router families with dummy weights, and "qwen3_moe_weighted": a checkpoint with real
-    random weights, for the tests whose outputs must be able to differ (see tiny_model)."""
+    """"qwen3_moe": a tiny dummy-weight model for the tests of mechanics (metrics, gating, faults),
+    and the trained checkpoints for every test that compares outputs."""
     root = tmp_path_factory.mktemp("models")
-    made = {arch: make_model(str(root / arch), arch) for arch in ("qwen3_moe", "glm4_moe")}
-    made["qwen3_moe_weighted"] = make_model(str(root / "weighted"), "qwen3_moe", "--random-weights")
-    return made
+    return {"qwen3_moe": make_model(str(root / "qwen3_moe"), "qwen3_moe"), **TRAINED}
 
 
 @contextmanager
@@ -87,6 +101,33 @@ def greedy_texts(base):
     return [complete(base, p)["choices"][0]["text"] for p in PROMPTS]
 
 
+def heldout_prompts(model_dir):
+    """HELDOUT_PROMPTS held-out windows of HELDOUT_PROMPT_LEN token ids (never trained on)."""
+    from heldout import heldout_windows
+
+    return heldout_windows(model_dir, HELDOUT_PROMPTS, HELDOUT_PROMPT_LEN).tolist()
+
+
+def greedy_ids(base, prompts, max_tokens=GREEDY_TOKENS):
+    """The server's greedy output ids for each token-id prompt, one request at a time (batch 1)."""
+    out = []
+    for ids in prompts:
+        params = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        out.append(json.loads(post(base + "/generate", {"input_ids": ids, "sampling_params": params}))["output_ids"])
+    return out
+
+
+def transformers_greedy(model_dir, prompts, max_tokens=GREEDY_TOKENS):
+    """transformers' greedy output ids for each prompt, in float32 (the servers' FP32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False)[0, len(ids):].tolist() for ids in prompts]
+
+
 def concurrent(base, count, max_tokens):
     with ThreadPoolExecutor(count) as pool:
         return list(pool.map(lambda i: complete(base, f"{PROMPTS[i % 4]} {i}", max_tokens, ignore_eos=True), range(count)))
@@ -114,14 +155,21 @@ def oea_value(metrics, name, **labels):
 
 @pytest.fixture(scope="module")
 def plain_qwen(tmp_path_factory, models):
-    with serve(tmp_path_factory, models["qwen3_moe_weighted"], "--enable-metrics", plugins=False) as (base, _):
-        plain = {"texts": greedy_texts(base), "metric_names": {n for n, _ in scrape(base)}}
+    """Plain SGLang (no plugin) on the trained Qwen3-MoE: greedy ids of held-out prompts, metric names."""
+    model = models["qwen3_moe_trained"]
+    prompts = heldout_prompts(model)
+    with serve(tmp_path_factory, model, *FP32, "--enable-metrics", plugins=False) as (base, _):
+        plain = {"prompts": prompts, "ids": greedy_ids(base, prompts), "metric_names": {n for n, _ in scrape(base)}}
     return plain
 
 
+def test_sglang_serves_the_trained_qwen_weights(models, plain_qwen):
+    assert plain_qwen["ids"] == transformers_greedy(models["qwen3_moe_trained"], plain_qwen["prompts"])
+
+
 def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plain_qwen):
-    with serve(tmp_path_factory, models["qwen3_moe_weighted"], "--enable-metrics") as (base, log):
-        assert greedy_texts(base) == plain_qwen["texts"]
+    with serve(tmp_path_factory, models["qwen3_moe_trained"], *FP32, "--enable-metrics") as (base, log):
+        assert greedy_ids(base, plain_qwen["prompts"]) == plain_qwen["ids"]
         names = {n for n, _ in scrape(base)}
     assert not any("oea" in n for n in names)
     assert names == plain_qwen["metric_names"]
@@ -129,8 +177,9 @@ def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plai
 
 
 def test_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_qwen):
-    with serve(tmp_path_factory, models["qwen3_moe_weighted"], "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
-        assert greedy_texts(base) == plain_qwen["texts"]
+    flags = (*FP32, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
+    with serve(tmp_path_factory, models["qwen3_moe_trained"], *flags) as (base, log):
+        assert greedy_ids(base, plain_qwen["prompts"]) == plain_qwen["ids"]
     assert "OEA no-op (k0 >= top-k)" in open(log).read()
 
 
@@ -197,46 +246,62 @@ def check_concurrent_decode(oea_qwen):
 
 @pytest.fixture(scope="module")
 def plain_glm(tmp_path_factory, models):
-    with serve(tmp_path_factory, models["glm4_moe"], plugins=False) as (base, _):
-        texts = greedy_texts(base)
-    return texts
+    """Plain SGLang (no plugin) on the trained GLM-style model: greedy ids of held-out prompts."""
+    model = models["glm4_moe_trained"]
+    prompts = heldout_prompts(model)
+    with serve(tmp_path_factory, model, *FP32, plugins=False) as (base, _):
+        return {"prompts": prompts, "ids": greedy_ids(base, prompts)}
 
 
-def test_glm_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_glm):
-    with serve(tmp_path_factory, models["glm4_moe"], "--oea-k0", "9") as (base, _):
-        assert greedy_texts(base) == plain_glm
+def test_sglang_serves_the_trained_glm_weights(models, plain_glm):
+    """Sigmoid scores with the learned correction bias, groups, the shared expert, the routed
+    scaling factor and partial rotary all enter these tokens."""
+    assert plain_glm["ids"] == transformers_greedy(models["glm4_moe_trained"], plain_glm["prompts"])
 
 
-def test_glm_serves_with_oea_and_records_router_logits(tmp_path_factory, models):
+def test_glm_plugin_installed_but_off_and_k0_at_least_top_k_are_identical(tmp_path_factory, models, plain_glm):
+    with serve(tmp_path_factory, models["glm4_moe_trained"], *FP32) as (base, log):
+        assert greedy_ids(base, plain_glm["prompts"]) == plain_glm["ids"]
+    assert "sglang-oea rank" not in open(log).read()
+    flags = (*FP32, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
+    with serve(tmp_path_factory, models["glm4_moe_trained"], *flags) as (base, log):
+        assert greedy_ids(base, plain_glm["prompts"]) == plain_glm["ids"]
+    assert "OEA no-op (k0 >= top-k)" in open(log).read()
+
+
+def test_glm_serves_with_oea_and_records_router_logits(tmp_path_factory, models, plain_glm):
     dump = str(tmp_path_factory.mktemp("dump"))
-    flags = ("--oea-k0", "3", "--oea-min-batch", "2", "--enable-metrics", "--decode-log-interval", "1",
+    flags = (*FP32, "--oea-k0", "3", "--oea-min-batch", "1", "--enable-metrics", "--decode-log-interval", "1",
              "--oea-dump-router-logits", dump, "--oea-dump-steps", "3")
-    with serve(tmp_path_factory, models["glm4_moe"], *flags) as (base, log):
+    with serve(tmp_path_factory, models["glm4_moe_trained"], *flags) as (base, log):
+        # One request at a time (B=1, no timing involved): each token keeps its own top-3 only, which
+        # moves greedy tokens of this trained model. So the identity tests above can fail.
+        assert greedy_ids(base, plain_glm["prompts"]) != plain_glm["ids"]
         chat = json.loads(post(base + "/v1/chat/completions", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
         assert chat["usage"]["completion_tokens"] > 0
         concurrent(base, 5, 16)
         metrics = scrape(base)
-    assert "routing=sigmoid+bias, groups 4/8" in open(log).read()
+    text = open(log).read()
+    assert "routing=sigmoid+bias, groups 4/8" in text and "N=256 top-k=8" in text
     assert oea_value(metrics, "sglang:oea_decode_steps_applied_total") >= 8
-    # Dummy weights give the correction bias a random, dominant spread, so every token may pick the
-    # same experts (before == k); OEA can then only keep T, never raise it.
-    before = oea_value(metrics, "sglang:oea_active_experts_before", layer="0")
-    after = oea_value(metrics, "sglang:oea_active_experts_after", layer="0")
-    assert TOP_K <= after <= before, (before, after)
-    check_router_dump(dump)
+    for layer in ("0", "1", "2", "3"):
+        before = oea_value(metrics, "sglang:oea_active_experts_before", layer=layer)
+        after = oea_value(metrics, "sglang:oea_active_experts_after", layer=layer)
+        assert 3 <= after < before <= 5 * TOP_K, (layer, before, after)
+    check_router_dump(dump, num_experts=256, layers=4)
 
 
-def check_router_dump(dump):
-    """Bounded: 3 decode steps x 2 layers, with the router's settings; the simulator reads them."""
+def check_router_dump(dump, num_experts, layers):
+    """Bounded: 3 decode steps x `layers`, with the router's settings; the simulator reads them."""
     import torch
 
     files = sorted(os.listdir(dump))
     steps = {name.split("_")[1] for name in files}
-    assert len(steps) == 3 and len(files) == 3 * 2
+    assert len(steps) == 3 and len(files) == 3 * layers
     record = torch.load(os.path.join(dump, files[0]))
-    assert record["router_logits"].shape == (record["batch_size"], NUM_EXPERTS)
+    assert record["router_logits"].shape == (record["batch_size"], num_experts)
     assert (record["scoring_func"], record["num_expert_group"], record["topk_group"], record["top_k"]) == ("sigmoid", 8, 4, TOP_K)
-    assert record["correction_bias"].shape == (NUM_EXPERTS,)
+    assert record["correction_bias"].shape == (num_experts,)
     here = os.path.dirname(os.path.abspath(__file__))
     simulate = os.path.join(here, "..", "..", "benchmark", "oea", "simulate.py")
     proc = subprocess.run([sys.executable, simulate, "--dump-dir", dump, "--k0", "3", "--out-dir", os.path.join(dump, "sim")],

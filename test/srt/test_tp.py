@@ -1,12 +1,13 @@
 """Tensor parallel on the real server: `cpu_serve --tp 2` runs two SGLang scheduler ranks on the
-CPU engine (their all-reduces go over gloo). Tiny dummy-weight models of both router families.
+CPU engine (their all-reduces go over gloo). The trained checkpoints of both router families
+(benchmark/oea/models), and a tiny dummy-weight model for the fault-injection test.
 
 What must hold at TP=2: identical greedy outputs to SGLang without the OEA plugin when OEA is
 off or a no-op; under concurrent load with OEA on, both ranks see the same router logits and
 choose the same experts at every recorded step and layer, export the same counts, and the
-rank check (--oea-check-ranks) passes. The output comparisons use a checkpoint with real random
-weights (dummy weights leave greedy tokens blind to routing, see tiny_model), and k0=1 shows that
-they can fail. One server at a time (2 cores).
+rank check (--oea-check-ranks) passes. The output comparisons use held-out prompts on trained
+weights, where routing moves greedy tokens, and k0=1 shows that they can fail. One server at a
+time (2 cores).
 """
 
 import os
@@ -18,7 +19,7 @@ import urllib.request
 import pytest
 import torch
 
-from test_server_e2e import (TOP_K, complete, concurrent, greedy_texts, models, oea_value, post,  # noqa: F401
+from test_server_e2e import (TOP_K, concurrent, greedy_ids, heldout_prompts, models, oea_value, post,  # noqa: F401
                              scrape, serve)
 
 pytestmark = pytest.mark.server
@@ -39,26 +40,39 @@ def rank_lines(log, pattern):
     return counts
 
 
-@pytest.fixture(scope="module")
-def plain_tp2(tmp_path_factory, models):
-    with serve(tmp_path_factory, models["qwen3_moe_weighted"], *TP, plugins=HARNESS) as (base, log):
-        texts = greedy_texts(base)
+def plain_at_tp2(tmp_path_factory, model):
+    """{"prompts", "ids"}: greedy ids of held-out prompts from SGLang's own routing at --tp 2."""
+    prompts = heldout_prompts(model)
+    with serve(tmp_path_factory, model, *TP, plugins=HARNESS) as (base, log):
+        ids = greedy_ids(base, prompts)
     text = open(log).read()
     assert "sglang-oea" not in text and "oea_k0" not in text
-    return texts
+    return {"prompts": prompts, "ids": ids}
+
+
+@pytest.fixture(scope="module")
+def plain_tp2(tmp_path_factory, models):
+    return plain_at_tp2(tmp_path_factory, models["qwen3_moe_trained"])
 
 
 def test_installed_but_off_is_identical_at_tp2(tmp_path_factory, models, plain_tp2):
-    with serve(tmp_path_factory, models["qwen3_moe_weighted"], *TP, "--enable-metrics") as (base, log):
-        assert greedy_texts(base) == plain_tp2
+    with serve(tmp_path_factory, models["qwen3_moe_trained"], *TP, "--enable-metrics") as (base, log):
+        assert greedy_ids(base, plain_tp2["prompts"]) == plain_tp2["ids"]
         names = {n for n, _ in scrape(base)}
     assert not any("oea" in n for n in names)
     assert "sglang-oea rank" not in open(log).read()
 
 
+def test_glm_k0_at_least_top_k_is_identical_at_tp2(tmp_path_factory, models):
+    plain = plain_at_tp2(tmp_path_factory, models["glm4_moe_trained"])
+    with serve(tmp_path_factory, models["glm4_moe_trained"], *TP, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
+        assert greedy_ids(base, plain["prompts"]) == plain["ids"]
+    assert rank_lines(log, r"sglang-oea rank \d: OEA no-op \(k0 >= top-k\)") == {"0": 1, "1": 1}
+
+
 def test_k0_at_least_top_k_is_identical_at_tp2(tmp_path_factory, models, plain_tp2):
-    with serve(tmp_path_factory, models["qwen3_moe_weighted"], *TP, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
-        assert greedy_texts(base) == plain_tp2
+    with serve(tmp_path_factory, models["qwen3_moe_trained"], *TP, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
+        assert greedy_ids(base, plain_tp2["prompts"]) == plain_tp2["ids"]
     # Settings: one line per rank (each rank decides its kernel itself); the no-op warning, a fact
     # about the configuration, once overall.
     assert rank_lines(log, r"sglang-oea rank \d: OEA no-op \(k0 >= top-k\)") == {"0": 1, "1": 1}
@@ -112,17 +126,18 @@ def check_serves(base, count=8, tokens=20):
     assert '"completion_tokens"' in chat
 
 
-@pytest.mark.parametrize("arch,k0,min_batch", [("qwen3_moe_weighted", "1", "1"), ("glm4_moe", "3", "2")])
+@pytest.mark.parametrize("arch,k0,min_batch", [("qwen3_moe_trained", "1", "1"), ("glm4_moe_trained", "3", "2")])
 def test_ranks_route_alike_under_load(request, tmp_path_factory, models, arch, k0, min_batch):
     dump = str(tmp_path_factory.mktemp("dump"))
     flags = ("--oea-k0", k0, "--oea-min-batch", min_batch, "--oea-dump-router-logits", dump, *LOAD_FLAGS)
     with serve(tmp_path_factory, models[arch], *flags) as (base, log):
         check_serves(base)
-        check_ranks_agree(base, log, dump, layers=2)
-        if arch == "qwen3_moe_weighted":
+        check_ranks_agree(base, log, dump, layers=4)
+        if arch == "qwen3_moe_trained":
             # The identity tests above can fail: k0=1 at min-batch 1 (pure pruning, one request at a
             # time) changes greedy outputs.
-            assert greedy_texts(base) != request.getfixturevalue("plain_tp2")
+            plain = request.getfixturevalue("plain_tp2")
+            assert greedy_ids(base, plain["prompts"]) != plain["ids"]
     assert rank_lines(log, rf"sglang-oea rank \d: OEA on, k0={k0} .* check_ranks=1") == {"0": 1, "1": 1}
 
 
