@@ -4,7 +4,8 @@ Kept apart from the server-driving code so that it can be tested on recorded JSO
 and so that a report can be rebuilt from an existing JSONL (`ab_serving.py --from-jsonl FILE`).
 
 A record is one bench_serving run: {"arm", "k0", "concurrency", "repeat", "seed", "num_prompts",
-"input_len", "output_len", ...bench_serving metrics}. The arm named "baseline" is the reference.
+"input_len", "output_len", "prompts" (the prompt source: "random-ids", or the prompt file's name and
+hash), ...bench_serving metrics}. The arm named "baseline" is the reference.
 
 Pairing rule: the OEA/baseline throughput ratio at concurrency C is computed per repeat, pairing
 repeat r of the OEA arm with repeat r of the baseline at the same C; we report its median and its
@@ -29,7 +30,7 @@ METRICS: Tuple[Tuple[str, str], ...] = (
 )
 
 # Keys that must agree between two runs for their throughputs to be compared.
-WORKLOAD_KEYS: Tuple[str, ...] = ("num_prompts", "input_len", "output_len", "seed")
+WORKLOAD_KEYS: Tuple[str, ...] = ("num_prompts", "input_len", "output_len", "seed", "prompts")
 
 
 def arm_name(k0: Optional[int]) -> str:

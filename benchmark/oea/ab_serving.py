@@ -8,11 +8,14 @@ Modes
   2. URLs: --baseline-url URL --oea-url URL [URL ...] measures servers that are already running.
   3. Report only: --from-jsonl FILE rebuilds the table and the plot from an earlier run.
 
-Every arm runs sglang.benchmark.serving (random-ids prompts of fixed length, tokenized client side,
-cache flushed before each run) at every concurrency in --concurrency, --repeats times; repeat r uses
-seed --seed + r in every arm, so both arms see the same prompts. A warm-up run comes before the
-measured runs of each server. By default all runs of one arm share one client process
-(_bench_driver.py: imports the module once and calls its cli_main() per run, as
+Every arm runs sglang.benchmark.serving (prompts of fixed length sent as token ids, a fixed number of
+output tokens with EOS ignored, cache flushed before each run) at every concurrency in --concurrency,
+--repeats times; repeat r uses seed --seed + r in every arm, so both arms see the same prompts. The
+prompts are random token ids (bench_serving's random-ids dataset), or, with --prompt-file, a fixed
+ShareGPT-format set (bench_serving's random dataset reading that file: each first turn tokenized
+client side and cut to --input-len tokens; the seed picks which ones and in what order). A warm-up
+run comes before the measured runs of each server. By default all runs of one arm share one client
+process (_bench_driver.py: imports the module once and calls its cli_main() per run, as
 `python -m sglang.benchmark.serving ARGS` would); --bench-subprocess starts a fresh
 `python -m sglang.benchmark.serving` per run instead.
 
@@ -25,6 +28,9 @@ OEA/baseline throughput ratio paired by repeat with its min-max), results.png, s
     # this CPU machine, tiny dummy-weight model
     python benchmark/oea/ab_serving.py --cpu --model-path /tmp/tiny --k0 4 --out-dir ab_cpu \
         -- --load-format dummy
+    # this CPU machine, the shipped trained model on held-out text (demo.py writes the prompt file)
+    python benchmark/oea/ab_serving.py --cpu --model-path benchmark/oea/models/qwen3_moe_stdlib \
+        --prompt-file out/demo/heldout_prompts.json --k0 4 --out-dir ab_cpu_trained
     # CI smoke (builds a tiny model when --model-path is absent)
     python benchmark/oea/ab_serving.py --smoke --out-dir /tmp/oea_smoke
     # report only
@@ -34,6 +40,7 @@ Everything after `--` (and --server-args "...") goes to both servers unchanged.
 """
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -49,7 +56,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(os.path.dirname(_HERE))
@@ -246,6 +253,88 @@ def child_env() -> Dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Prompt files (--prompt-file)
+# ----------------------------------------------------------------------------------------------
+
+RANDOM_IDS = "random-ids"  # the `prompts` of a record measured without --prompt-file
+
+
+def write_prompt_file(path: str, pairs: Sequence[Tuple[str, str]]) -> str:
+    """(prompt, continuation) texts as the ShareGPT-format JSON list bench_serving's file datasets read:
+    [{"id": "p<i>", "conversations": [{"from": "human", "value": prompt},
+    {"from": "gpt", "value": continuation}]}, ...], one entry per pair. Returns path."""
+    rows = [{"id": f"p{i}", "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": cont}]}
+            for i, (prompt, cont) in enumerate(pairs)]
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=0)
+    return path
+
+
+def load_prompt_file(path: str) -> List[str]:
+    """The prompts (first turns) of a ShareGPT-format file: [n] str. SystemExit naming --prompt-file
+    when the file is missing, not JSON, or not a list of entries with two turns whose first is non-empty
+    (bench_serving would skip such an entry without a word)."""
+    def fail(why: str):
+        raise SystemExit(f"--prompt-file {path}: {why}")
+
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except OSError as e:
+        fail(f"cannot read it ({e.strerror})")
+    except ValueError as e:
+        fail(f"not JSON ({e})")
+    if not isinstance(rows, list) or not rows:
+        fail('expected a non-empty JSON list of {"conversations": [{"value": PROMPT}, {"value": ...}]}')
+    prompts = []
+    for i, row in enumerate(rows):
+        turns = row.get("conversations") if isinstance(row, dict) else None
+        if (not isinstance(turns, list) or len(turns) < 2
+                or not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2])
+                or not turns[0]["value"]):
+            fail(f'entry {i} is not {{"conversations": [{{"value": PROMPT}}, {{"value": ...}}]}} '
+                 "with a non-empty PROMPT")
+        prompts.append(turns[0]["value"])
+    return prompts
+
+
+def _token_counts(tokenizer: str, prompts: Sequence[str]) -> Optional[List[int]]:
+    """Tokens per prompt as bench_serving counts them (the tokenizer's encode): [n] int, or None
+    when transformers cannot load the tokenizer."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as e:  # noqa: BLE001 - only a check; bench_serving loads it its own way
+        log(f"--prompt-file: could not load tokenizer {tokenizer} ({type(e).__name__}); prompt lengths unchecked")
+        return None
+    return [len(tok.encode(p)) for p in prompts]
+
+
+def check_prompt_file(args) -> str:
+    """Validate --prompt-file for this sweep; returns its label for results.jsonl, 'NAME sha256:HEX12'.
+
+    Every run (the warm-up too) must find enough prompts in it, since bench_serving would silently
+    send fewer, and every prompt must hold at least --input-len tokens, since bench_serving would
+    repeat a shorter one to fill. SystemExit naming --prompt-file otherwise.
+    """
+    path = args.prompt_file
+    prompts = load_prompt_file(path)
+    needed = max([num_prompts_for(c, args) for c in args.concurrency] + [args.warmup_prompts])
+    if len(prompts) < needed:
+        raise SystemExit(f"--prompt-file {path}: {len(prompts)} prompts, but a run of this sweep sends {needed} "
+                         "(lower --concurrency/--prompts-per-concurrency/--num-prompts or give more prompts)")
+    counts = _token_counts(args.tokenizer, prompts)
+    short = [i for i, n in enumerate(counts or []) if n < args.input_len]
+    if short:
+        raise SystemExit(f"--prompt-file {path}: {len(short)} prompt(s) (entry {short[0]} first, "
+                         f"{counts[short[0]]} tokens) shorter than --input-len {args.input_len}")
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return f"{os.path.basename(path)} sha256:{digest}"
+
+
+# ----------------------------------------------------------------------------------------------
 # bench_serving
 # ----------------------------------------------------------------------------------------------
 
@@ -275,9 +364,13 @@ def bench_arguments(args, base_url: str, concurrency: int, num_prompts: int, see
                     output_len: int, output_file: str) -> List[str]:
     """bench_serving's arguments for one run, without the program."""
     host_port = urllib.parse.urlparse(base_url)
+    # "random" with a --dataset-path takes its prompts from that file; --tokenize-prompt sends them
+    # as token ids and --random-range-ratio 1.0 fixes both lengths, as for random-ids.
+    dataset = (["--dataset-name", "random", "--dataset-path", args.prompt_file] if args.prompt_file
+               else ["--dataset-name", "random-ids"])
     cmd = ["--backend", "sglang",
            "--host", host_port.hostname, "--port", str(host_port.port),
-           "--tokenizer", args.tokenizer, "--dataset-name", "random-ids", "--tokenize-prompt",
+           "--tokenizer", args.tokenizer, *dataset, "--tokenize-prompt",
            "--random-input-len", str(args.input_len), "--random-output-len", str(output_len),
            "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--seed", str(seed),
@@ -519,6 +612,7 @@ def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional
             stem = os.path.join(runs_dir, f"{arm.name}_c{conc}_r{rep}")
             record = {"arm": arm.name, "k0": arm.k0, "concurrency": conc, "repeat": rep, "seed": seed,
                       "num_prompts": n, "input_len": args.input_len, "output_len": args.output_len,
+                      "prompts": args.prompts,
                       "oea_min_batch": args.oea_min_batch if arm.k0 is not None else None,
                       "oea_max_batch": args.oea_max_batch if arm.k0 is not None else None,
                       "url": base_url, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -631,6 +725,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"default {GPU_CONCURRENCIES}; with --cpu {CPU_CONCURRENCIES}")
     wl.add_argument("--repeats", type=int, help="default 3 (--smoke: 1)")
     wl.add_argument("--seed", type=int, default=1, help="repeat r uses seed + r in every arm")
+    wl.add_argument("--prompt-file",
+                    help="fixed prompt set instead of random token ids: a ShareGPT-format JSON list "
+                         '([{"conversations": [{"value": PROMPT}, {"value": ...}]}, ...], e.g. demo.py\'s '
+                         "held-out text); each PROMPT is cut to --input-len tokens and sent as token ids, "
+                         "the seed picks which and in what order; needs as many prompts as the largest "
+                         "run and at least --input-len tokens each")
     wl.add_argument("--input-len", type=int, help="prompt tokens (default 1024; --cpu 64)")
     wl.add_argument("--output-len", type=int, help="output tokens (default 256; --cpu 64)")
     wl.add_argument("--num-prompts", type=int, help="fixed prompt count for every concurrency")
@@ -740,9 +840,12 @@ def run(args, server_args: List[str]) -> int:
         arms = [] if args.skip_baseline else [Arm(_report.BASELINE, None)]
         arms += [Arm(_report.arm_name(k0), k0, extra_args=oea_flags(k0, args)) for k0 in args.k0]
 
+    if args.prompt_file:
+        args.prompt_file = os.path.abspath(args.prompt_file)
+    args.prompts = check_prompt_file(args) if args.prompt_file else RANDOM_IDS
     total = len(arms) * len(args.concurrency) * args.repeats
     log(f"{len(arms)} arms x {len(args.concurrency)} concurrencies x {args.repeats} repeats = {total} runs; "
-        f"input {args.input_len}, output {args.output_len} tokens; out-dir {args.out_dir}")
+        f"prompts {args.prompts}, input {args.input_len}, output {args.output_len} tokens; out-dir {args.out_dir}")
     with open(os.path.join(args.out_dir, "command.txt"), "w") as f:
         f.write(shlex.join([sys.executable, __file__, *args.argv]) + "\n")
         # Thread settings change CPU (and host-side) timings: keep them with the command line.
@@ -785,20 +888,23 @@ def run(args, server_args: List[str]) -> int:
 
 def run_smoke(out_dir: str, model_path: Optional[str] = None, k0: int = 4,
               concurrencies: Sequence[int] = (1, 2), num_prompts: int = 4,
-              server_args: Sequence[str] = (), port: int = 30000) -> _report.Summary:
+              server_args: Sequence[str] = (), port: int = 30000,
+              prompt_file: Optional[str] = None) -> _report.Summary:
     """Baseline vs OEA k0 on CPU servers at two concurrencies with a few prompts; raises on failure.
 
-    Builds a tiny dummy-weight Qwen3-MoE when model_path is None. Returns the report summary.
+    Builds a tiny dummy-weight Qwen3-MoE when model_path is None; a given model loads its own weights
+    (pass server_args=["--load-format", "dummy"] for a config-only one). prompt_file: --prompt-file
+    (default random ids). Returns the report summary.
     """
     argv = ["--smoke", "--out-dir", out_dir, "--k0", str(k0), "--port", str(port),
             "--num-prompts", str(num_prompts), "--concurrency", *map(str, concurrencies)]
     if model_path:
         argv += ["--model-path", model_path]
-    args = parse_args(argv, argv + (["--", *server_args] if server_args else []))
-    apply_defaults(args)
+    if prompt_file:
+        argv += ["--prompt-file", prompt_file]
     sargs = list(server_args)
-    if model_path and "--load-format" not in sargs:
-        sargs += ["--load-format", "dummy"]
+    args = parse_args(argv, argv + (["--", *sargs] if sargs else []))
+    apply_defaults(args)
     failures = run(args, sargs)
     summary = _report.summarize(_report.load_jsonl(os.path.join(out_dir, "results.jsonl")))
     check_smoke(summary, out_dir, len(concurrencies), failures)

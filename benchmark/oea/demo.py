@@ -1,58 +1,69 @@
 """CPU A/B demo of Opportunistic Expert Activation (what `make demo` runs).
 
-    python benchmark/oea/demo.py --out-dir out/demo [--k0 3 4 5] [--concurrency 1 4 16 32 64]
-                                 [--repeats 1] [--oea-min-batch 2] [--oea-max-batch 0]
+    python benchmark/oea/demo.py --out-dir out/demo [--k0 3 4 5] [--concurrency 4 16 64] [--repeats 1]
+                                 [--oea-min-batch 2] [--oea-max-batch 0] [--random-weights]
+                                 [--model-path DIR] [--prompts heldout|random-ids]
 
-1. Builds a tiny Qwen3-MoE (128 experts, top-8, hidden 512, expert FFN 384, 4 layers; dummy
-   weights, a small local tokenizer) in <out-dir>/model, unless it is there already.
-2. Runs ab_serving.py in CPU mode: a baseline server (plain SGLang top-8 routing), then one server
+1. Model: by default the shipped trained checkpoint models/qwen3_moe_stdlib (Qwen3-MoE, 128 experts,
+   top-8, hidden 128, expert FFN 32, 4 layers, trained on Python standard-library source by
+   train_moe.py), served with its weights. --random-weights serves the same checkpoint with
+   --load-format dummy: same architecture, tokenizer and prompts, random weights (a router with no
+   preferences), to set the two side by side.
+2. Prompts: by default held-out windows of the model's heldout.txt (documents it never trained on;
+   heldout.py), written to <out-dir>/heldout_prompts.json and given to ab_serving.py as
+   --prompt-file: 64-token prompts, sent as token ids, and 64 output tokens with EOS ignored, so
+   every arm decodes the same number of tokens from the same prompts. --prompts random-ids brings
+   back random token ids (any model).
+3. Runs ab_serving.py in CPU mode: a baseline server (plain SGLang top-8 routing), then one server
    per k0 (--oea-k0 K0 plus the --oea-min-batch/--oea-max-batch below), one at a time; each is
-   measured with sglang.benchmark.serving at every concurrency, 64 prompt tokens and 64 output
-   tokens, max(2*C, 8) prompts (at least two waves of requests), the same seeds, hence the same
-   prompts, in every arm.
-3. Prints the table (arms side by side per concurrency, then ab_serving's full table) and writes
-   results.jsonl, results.md, results.png (ab_serving) and demo.md into --out-dir.
+   measured with sglang.benchmark.serving at every concurrency, max(2*C, 8) prompts per run (at
+   least two waves of requests), the same seeds, hence the same prompts, in every arm.
+4. Prints the table (arms side by side per concurrency, distinct experts per decode step before and
+   after OEA from the server's metrics, then ab_serving's full table) and writes results.jsonl,
+   results.md, results.png (ab_serving) and demo.md into --out-dir.
 
-These are CPU numbers on a dummy-weight tiny model: they show that OEA acts end to end in a real
-SGLang server (fewer distinct experts per decode step) and how that moves decode time on this
-machine, not what a GPU deployment gains. See benchmark/oea/README.md.
+These are CPU numbers on a tiny model: they show that OEA acts end to end in a real SGLang server
+(fewer distinct experts per decode step) and how that moves decode time on this machine, not what
+a GPU deployment of a large model gains. See benchmark/oea/README.md.
 """
 
 import argparse
+import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 from typing import List, Optional, Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
 import _report  # noqa: E402
 import ab_serving  # noqa: E402
+
+TRAINED_MODEL = os.path.join(_HERE, "models", "qwen3_moe_stdlib")
+LABEL = "CPU, tiny model, not GPU/GLM-5"  # on every title, table and plot the demo writes
 
 # OEA gating of the OEA arms (passed as --oea-min-batch / --oea-max-batch; max 0 = no cap).
 DEFAULT_MIN_BATCH = 2
 DEFAULT_MAX_BATCH = 0
 
 DEFAULT_K0 = (3, 4, 5)
-DEFAULT_CONCURRENCY = (1, 4, 16, 32, 64)
+DEFAULT_CONCURRENCY = (4, 16, 64)
 INPUT_LEN = 64
 OUTPUT_LEN = 64
 PROMPTS_PER_CONCURRENCY = 2  # prompts per run = max(2 * C, MIN_PROMPTS): at least two waves
 MIN_PROMPTS = 8
-
-MODEL_FLAGS = ["--arch", "qwen3_moe", "--num-experts", "128", "--top-k", "8", "--hidden-size", "512",
-               "--moe-intermediate-size", "384", "--num-layers", "4"]
-MODEL_DESC = "tiny Qwen3-MoE: 128 experts, top-8, hidden 512, expert FFN 384, 4 layers, dummy weights"
+WARMUP_PROMPTS = 8
+PROMPT_FILE = "heldout_prompts.json"
+HELDOUT_SEED = 0  # picks the held-out windows; ab_serving's --seed then picks among them per run
 
 # Server flags of every arm. --enable-metrics lets the harness record OEA's expert counters per run.
 # The KV pool is sized by tokens (cpu_serve's default is 32768 as well): 32768 tokens hold C=64 x 128
 # tokens several times over. --mem-fraction-static only has to pass SGLang's start-up check that free
 # RAM did not drop by that fraction while the weights loaded.
-SERVER_ARGS = ["--load-format", "dummy", "--enable-metrics", "--mem-fraction-static", "0.3",
-               "--max-total-tokens", "32768"]
+SERVER_ARGS = ["--enable-metrics", "--mem-fraction-static", "0.3", "--max-total-tokens", "32768"]
+DUMMY_WEIGHTS = ["--load-format", "dummy"]
 
 
 # One OpenMP thread per process (servers and bench client; the caller's own OMP_NUM_THREADS wins).
@@ -66,51 +77,110 @@ def log(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
+def _shown_path(path: str) -> str:
+    """path relative to the repository when it lies inside it (shorter in tables)."""
+    rel = os.path.relpath(os.path.abspath(path), _REPO)
+    return path if rel.startswith("..") else rel
+
+
+def describe_model(model_dir: str, random_weights: bool) -> str:
+    """One line on the served model, from its config.json (and training.json when there is one)."""
+    cfg = {}
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts", "?")))
+    shape = (f"{experts} experts, top-{cfg.get('num_experts_per_tok', '?')}, hidden {cfg.get('hidden_size', '?')}, "
+             f"expert FFN {cfg.get('moe_intermediate_size', '?')}, {cfg.get('num_hidden_layers', '?')} layers")
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+    if random_weights:
+        weights = "DUMMY weights (--load-format dummy: random, a router with no preferences)"
+    else:
+        source = _training_source(model_dir)
+        weights = "trained weights" + (f" ({source})" if source else "")
+    return f"{_shown_path(model_dir)}: {arch}, {shape}; {weights}"
+
+
+def _training_source(model_dir: str) -> Optional[str]:
+    path = os.path.join(model_dir, "training.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("corpus", {}).get("source")
+
+
+def prompt_count(concurrency: Sequence[int]) -> int:
+    """Prompts the largest run (or the warm-up) of the sweep sends: the prompt file's size."""
+    return max(PROMPTS_PER_CONCURRENCY * max(concurrency), MIN_PROMPTS, WARMUP_PROMPTS)
+
+
+def describe_prompts(args) -> str:
+    if args.prompts == "random-ids":
+        return "random token ids (bench_serving's random-ids dataset)"
+    return (f"held-out text of the model (heldout.txt: documents it never trained on), "
+            f"{prompt_count(args.concurrency)} windows of {INPUT_LEN} tokens ({PROMPT_FILE}), sent as token ids")
+
+
 def header(args) -> str:
     k0s = ", ".join(str(k) for k in args.k0)
     max_batch = "no cap" if not args.oea_max_batch else str(args.oea_max_batch)
     return "\n".join([
         "=" * 100,
-        "OEA CPU demo: SGLang serving with Opportunistic Expert Activation vs without",
-        f"  model     {MODEL_DESC}",
-        f"  arms      baseline (plain top-8 routing) vs --oea-k0 {k0s} "
+        f"OEA CPU demo ({LABEL}): SGLang serving with Opportunistic Expert Activation vs without",
+        f"  model     {describe_model(args.model_path, args.random_weights)}",
+        f"  prompts   {describe_prompts(args)}",
+        f"  arms      baseline (plain top-k routing) vs --oea-k0 {k0s} "
         f"(--oea-min-batch {args.oea_min_batch}, --oea-max-batch {args.oea_max_batch}: {max_batch});",
         "            one server at a time, identical settings apart from the --oea-* flags",
         f"  workload  sglang.benchmark.serving, concurrency {' '.join(map(str, args.concurrency))}, "
-        f"{INPUT_LEN} tokens in / {OUTPUT_LEN} out, max({PROMPTS_PER_CONCURRENCY}*C, {MIN_PROMPTS}) prompts "
-        f"per run, {args.repeats} repeat(s), same prompts in every arm",
+        f"{INPUT_LEN} tokens in / {OUTPUT_LEN} out (EOS ignored), max({PROMPTS_PER_CONCURRENCY}*C, {MIN_PROMPTS}) "
+        f"prompts per run, {args.repeats} repeat(s), same prompts in every arm",
         f"  threads   OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', THREAD_ENV['OMP_NUM_THREADS'])} "
         "in the servers and the client (see THREAD_ENV in demo.py)",
-        "  NOTE      CPU numbers on a dummy-weight tiny model (2-core machine, other work may run beside it):",
+        f"  NOTE      {LABEL}: CPU numbers on a 2-core machine (other work may run beside it);",
         "            they show that OEA acts end to end (fewer distinct experts per decode step) and what",
-        "            that does to decode time here, NOT what a GPU deployment gains.",
+        "            that does to decode time here, NOT what a GPU deployment of a large model gains.",
         "=" * 100,
     ])
 
 
-def build_model(model_dir: str) -> str:
-    """The tiny model's directory; built with sglang_oea.tiny_model unless config.json exists."""
-    if os.path.exists(os.path.join(model_dir, "config.json")):
-        log(f"model already at {model_dir}")
-        return model_dir
-    cmd = [sys.executable, "-m", "sglang_oea.tiny_model", *MODEL_FLAGS[:2], "--out", model_dir, *MODEL_FLAGS[2:]]
-    log("building the model: " + shlex.join(cmd))
-    subprocess.run(cmd, check=True, env=ab_serving.child_env())
-    return model_dir
+def write_heldout_prompts(model_dir: str, path: str, count: int, prompt_len: int = INPUT_LEN,
+                          continuation_len: int = OUTPUT_LEN, seed: int = HELDOUT_SEED) -> str:
+    """`count` held-out windows of model_dir (heldout.prompt_continuations) as ab_serving's
+    --prompt-file: each prompt's text, with its true continuation as the second turn. Returns path.
+
+    bench_serving tokenizes the text again, so each prompt is checked to tokenize back to exactly
+    its window's `prompt_len` ids; ValueError otherwise.
+    """
+    import heldout  # torch and the training code: only when prompts are written
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    pairs = []
+    for i, row in enumerate(heldout.prompt_continuations(model_dir, count, prompt_len, continuation_len, seed)):
+        text = tok.decode(row["prompt_ids"], skip_special_tokens=False)
+        if tok.encode(text).ids != row["prompt_ids"]:
+            raise ValueError(f"held-out window {i} of {model_dir} does not tokenize back to its {prompt_len} ids")
+        pairs.append((text, tok.decode(row["continuation_ids"], skip_special_tokens=False)))
+    return ab_serving.write_prompt_file(path, pairs)
 
 
-def ab_argv(args, model_dir: str) -> List[str]:
-    """ab_serving.py's command line for the demo."""
-    argv = ["--cpu", "--model-path", model_dir, "--out-dir", args.out_dir, "--port", str(args.port),
-            "--k0", *map(str, args.k0), "--oea-min-batch", str(args.oea_min_batch),
+def ab_argv(args, prompt_file: Optional[str] = None) -> List[str]:
+    """ab_serving.py's command line for the demo (prompt_file: its --prompt-file, if any)."""
+    argv = ["--cpu", "--model-path", os.path.abspath(args.model_path), "--out-dir", args.out_dir,
+            "--port", str(args.port), "--k0", *map(str, args.k0), "--oea-min-batch", str(args.oea_min_batch),
             "--oea-max-batch", str(args.oea_max_batch),
             "--concurrency", *map(str, args.concurrency), "--repeats", str(args.repeats),
             "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--prompts-per-concurrency", str(PROMPTS_PER_CONCURRENCY), "--min-prompts", str(MIN_PROMPTS),
-            "--cooldown", "2", "--title", f"OEA CPU demo ({MODEL_DESC})"]
+            "--warmup-prompts", str(WARMUP_PROMPTS), "--cooldown", "2",
+            "--title", f"OEA demo, {LABEL}: {os.path.basename(os.path.normpath(args.model_path))}"
+                       + (", DUMMY weights" if args.random_weights else "")]
+    if prompt_file:
+        argv += ["--prompt-file", prompt_file]
     if args.bench_subprocess:
         argv.append("--bench-subprocess")
-    return argv + ["--", *SERVER_ARGS]
+    return argv + ["--", *SERVER_ARGS, *(DUMMY_WEIGHTS if args.random_weights else [])]
 
 
 def _metric(sample: dict, name: str) -> Optional[float]:
@@ -157,6 +227,14 @@ def expert_table(records: Sequence[dict], summary: _report.Summary, min_batch: i
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default="out/demo")
+    p.add_argument("--model-path", default=TRAINED_MODEL,
+                   help="model directory (default: the shipped trained Qwen3-MoE, models/qwen3_moe_stdlib)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="serve the model with --load-format dummy: same architecture, tokenizer and prompts, "
+                        "random weights")
+    p.add_argument("--prompts", choices=("heldout", "random-ids"), default="heldout",
+                   help="heldout: windows of the model's heldout.txt (a train_moe.py checkpoint); "
+                        "random-ids: random token ids, any model (default heldout)")
     p.add_argument("--k0", type=int, nargs="+", default=list(DEFAULT_K0), help="one OEA arm per value")
     p.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY))
     p.add_argument("--repeats", type=int, default=1, help="repeats per (arm, concurrency); 3+ to see the spread")
@@ -170,6 +248,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def prepare_prompts(args) -> Optional[str]:
+    """The --prompt-file for ab_serving (written into --out-dir), or None for random ids.
+    SystemExit naming --prompts when the model has no held-out text."""
+    if args.prompts == "random-ids":
+        return None
+    if not os.path.exists(os.path.join(args.model_path, "heldout.txt")):
+        raise SystemExit(f"--prompts heldout: {args.model_path} has no heldout.txt (not a train_moe.py "
+                         "checkpoint); use --prompts random-ids for this model")
+    path = os.path.join(os.path.abspath(args.out_dir), PROMPT_FILE)
+    log(f"writing {prompt_count(args.concurrency)} held-out prompts to {path}")
+    return write_heldout_prompts(args.model_path, path, prompt_count(args.concurrency))
+
+
+def report(args, wall: float) -> str:
+    """demo.md's text (the report printed at the end is its first part)."""
+    records = _report.load_jsonl(os.path.join(args.out_dir, "results.jsonl"))
+    summary = _report.summarize(records)
+    experts = expert_table(records, summary, args.oea_min_batch, args.oea_max_batch)
+    parts = ["```", header(args), "```", "",
+             f"## Arms side by side ({LABEL})", "",
+             "Output tok/s (OEA arms: x = paired ratio vs baseline, median over repeats) and median TPOT ms.", "",
+             _report.side_by_side_table(summary)]
+    if experts:
+        parts += [f"## Distinct experts per layer and decode step, router's choice -> after OEA ({LABEL})", "",
+                  "From the server's OEA metrics after each run (sglang:oea_active_experts_ratio: the OEA-routed "
+                  "decode steps of the server's last decode-log interval, i.e. the run's tail). Baseline: 1.", "",
+                  experts]
+    if summary.warnings:
+        parts += ["Warnings: " + "; ".join(summary.warnings), ""]
+    parts += [f"Wall time: {wall / 60:.1f} min ({wall:.0f} s).", ""]
+    return "\n".join(parts)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.port = args.port or ab_serving.free_port()
@@ -178,44 +289,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_start = time.time()
     print(header(args), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
-    model_dir = build_model(os.path.abspath(os.path.join(args.out_dir, "model")))
+    prompt_file = prepare_prompts(args)
 
-    rc = ab_serving.main(ab_argv(args, model_dir))
+    rc = ab_serving.main(ab_argv(args, prompt_file))
     wall = time.time() - t_start
-
-    jsonl = os.path.join(args.out_dir, "results.jsonl")
-    if not os.path.exists(jsonl):
+    if not os.path.exists(os.path.join(args.out_dir, "results.jsonl")):
         log(f"no results (ab_serving exit code {rc}); see the logs in {args.out_dir}")
         return rc or 1
-    records = _report.load_jsonl(jsonl)
-    summary = _report.summarize(records)
-    side = _report.side_by_side_table(summary)
-    experts = expert_table(records, summary, args.oea_min_batch, args.oea_max_batch)
+    text = report(args, wall)
     with open(os.path.join(args.out_dir, "results.md")) as f:
         full = f.read()
-    parts = ["# OEA CPU demo", "", "```", header(args), "```", "",
-             "## Arms side by side", "",
-             "Output tok/s (OEA arms: x = paired ratio vs baseline, median over repeats) and median TPOT ms.", "",
-             side]
-    if experts:
-        parts += ["## Distinct experts per layer and decode step, router's choice -> after OEA", "",
-                  "From the server's OEA metrics after each run (sglang:oea_active_experts_ratio: the OEA-routed "
-                  "decode steps of the server's last decode-log interval, i.e. the run's tail). Baseline: 1.", "",
-                  experts]
-    parts += [f"Wall time: {wall / 60:.1f} min ({wall:.0f} s).", "", full]
     with open(os.path.join(args.out_dir, "demo.md"), "w") as f:
-        f.write("\n".join(parts))
-
-    print()
-    print(header(args))
-    print("\nArms side by side: output tok/s (OEA arms: paired ratio vs baseline) and median TPOT ms\n")
-    print(side)
-    if experts:
-        print("Distinct experts per layer and decode step, router's choice -> after OEA (server metrics, the run's "
-              "last decode-log interval)\n")
-        print(experts)
-    if summary.warnings:
-        print("Warnings: " + "; ".join(summary.warnings) + "\n")
+        f.write("\n".join([f"# OEA CPU demo ({LABEL})", "", text, full]))
+    print("\n" + text)
     log(f"wrote {', '.join(os.path.join(args.out_dir, n) for n in ('results.jsonl', 'results.md', 'results.png', 'demo.md'))}")
     log(f"wall time {wall / 60:.1f} min ({wall:.0f} s); ab_serving exit code {rc}")
     return rc

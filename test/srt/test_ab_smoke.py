@@ -1,6 +1,8 @@
-"""The A/B harness's smoke path against real CPU servers (ab_serving.run_smoke): baseline and OEA k0=4
-on a tiny dummy-weight Qwen3-MoE at two concurrencies, a few prompts each; bench_serving runs in one
-driver process per arm (the default). A few minutes on 2 cores: two server starts dominate.
+"""The A/B harness's smoke path against real CPU servers (ab_serving.run_smoke), as `make demo` runs
+it: the shipped trained Qwen3-MoE (models/qwen3_moe_stdlib) with its own weights, prompts from its
+held-out text (demo.write_heldout_prompts, given as --prompt-file); baseline and OEA k0=4 at two
+concurrencies, a few prompts each; bench_serving runs in one driver process per arm (the default).
+A few minutes on 2 cores: two server starts dominate.
 """
 
 import json
@@ -12,16 +14,20 @@ pytestmark = pytest.mark.server
 
 import _report  # noqa: E402  (benchmark/oea, on sys.path through conftest.py)
 import ab_serving  # noqa: E402
+import demo  # noqa: E402
 
 CONCURRENCIES = (1, 2)
 NUM_PROMPTS = 4
+INPUT_LEN, OUTPUT_LEN = 16, 8  # --smoke's lengths
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ab_smoke"))
-    summary = ab_serving.run_smoke(out, k0=4, concurrencies=CONCURRENCIES, num_prompts=NUM_PROMPTS,
-                                   port=ab_serving.free_port())
+    prompts = demo.write_heldout_prompts(demo.TRAINED_MODEL, os.path.join(out, demo.PROMPT_FILE), NUM_PROMPTS,
+                                         INPUT_LEN, OUTPUT_LEN)
+    summary = ab_serving.run_smoke(out, model_path=demo.TRAINED_MODEL, k0=4, concurrencies=CONCURRENCIES,
+                                   num_prompts=NUM_PROMPTS, port=ab_serving.free_port(), prompt_file=prompts)
     return out, summary
 
 
@@ -37,6 +43,10 @@ def test_smoke_records_both_arms_at_both_concurrencies(smoke):
         assert r["completed"] == NUM_PROMPTS and r["max_concurrency"] == r["concurrency"]
         assert r["output_throughput"] > 0 and r["median_tpot_ms"] > 0
         assert "server_info" not in r
+        # the same held-out prompts, cut to the same length, and every output token decoded (EOS ignored)
+        assert r["prompts"] == records[0]["prompts"] and r["prompts"].startswith(demo.PROMPT_FILE + " sha256:")
+        assert r["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+        assert r["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     assert summary.arms == ["baseline", "oea-k0=4"] and summary.concurrencies == list(CONCURRENCIES)
     assert set(summary.ratios) == {(c, "oea-k0=4") for c in CONCURRENCIES}
     assert summary.warnings == []
@@ -51,9 +61,10 @@ def test_smoke_writes_table_plot_and_logs(smoke):
     with open(os.path.join(out, "results.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     command = open(os.path.join(out, "command.txt")).read().splitlines()[0]
-    assert command.endswith(f"--concurrency {CONCURRENCIES[0]} {CONCURRENCIES[1]}") and "--smoke" in command
+    assert f"--concurrency {CONCURRENCIES[0]} {CONCURRENCIES[1]} " in command and "--smoke" in command
+    assert command.endswith(f"--prompt-file {os.path.join(out, demo.PROMPT_FILE)}")
     info = json.load(open(os.path.join(out, "server_info_oea-k0=4.json")))
-    assert isinstance(info, dict)
+    assert isinstance(info, dict) and info.get("load_format") != "dummy"  # the trained weights
     # every run went through the arm's bench driver: one import per arm, each run's output in its log
     for arm in ("baseline", "oea-k0=4"):
         assert os.path.getsize(os.path.join(out, "runs", f"{arm}_driver.log")) > 0
@@ -61,3 +72,4 @@ def test_smoke_writes_table_plot_and_logs(smoke):
             text = open(os.path.join(out, "runs", f"{arm}_c{c}_r0.log")).read()
             assert text.splitlines()[0].split()[1:3] == ["-m", "sglang.benchmark.serving"]
             assert "bench driver process" in text and "Output token throughput" in text
+            assert "--dataset-name random --dataset-path " in text.splitlines()[0]

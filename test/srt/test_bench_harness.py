@@ -9,6 +9,7 @@
   router-logit dumps.
 """
 
+import hashlib
 import json
 import os
 import shlex
@@ -29,6 +30,7 @@ import ab_serving  # noqa: E402
 import simulate  # noqa: E402
 
 CLEAN = os.path.join(_DATA, "ab_clean.jsonl")
+TRAINED_MODEL = os.path.join(_ROOT, "benchmark", "oea", "models", "qwen3_moe_stdlib")
 MISMATCH = os.path.join(_DATA, "ab_mismatch.jsonl")
 
 
@@ -113,6 +115,15 @@ def test_disagreeing_concurrency_reported_by_bench_is_flagged():
     assert any("bench_serving reports max_concurrency=2" in w for w in s.warnings)
 
 
+def test_runs_on_different_prompt_sets_are_not_compared():
+    recs = _report.load_jsonl(CLEAN)  # recorded before records named their prompts: all compared
+    recs[3]["prompts"] = "p.json sha256:0123456789ab"  # oea-k0=4 C=1 repeat 0
+    s = _report.summarize(recs)
+    assert any("workload differs from baseline (prompts None vs p.json sha256:0123456789ab)" in w
+               for w in s.warnings)
+    assert s.ratios[(1, "oea-k0=4")].n == _report.summarize(_report.load_jsonl(CLEAN)).ratios[(1, "oea-k0=4")].n - 1
+
+
 def test_plot_writes_png(tmp_path):
     s = _report.summarize(_report.load_jsonl(MISMATCH))
     path = _report.plot(s, str(tmp_path / "ab.png"), "mismatch")
@@ -169,6 +180,46 @@ def test_bench_command_and_flags():
     assert ab_serving.launcher_command(args)[-2:] == ["-m", "sglang_oea.cpu_serve"]
     own, passthrough = ab_serving._split_passthrough(["--cpu", "--", "--tp", "8"])
     assert own == ["--cpu"] and passthrough == ["--tp", "8"]
+    # a prompt file swaps only the dataset: same token-id prompts, fixed lengths, EOS ignored
+    fixed = _parse(["--cpu", "--model-path", "/m", "--prompt-file", "/p.json"])
+    cmd = ab_serving.bench_arguments(fixed, "http://127.0.0.1:31000", 16, 32, 7, 64, "/tmp/o.jsonl")
+    assert cmd[cmd.index("--dataset-name"):][:4] == ["--dataset-name", "random", "--dataset-path", "/p.json"]
+    assert "random-ids" not in cmd and "--disable-ignore-eos" not in cmd
+    for flag in ("--tokenize-prompt", "--random-input-len", "--random-output-len", "--random-range-ratio"):
+        assert flag in cmd
+
+
+def _write_prompts(path, n, words=40):
+    return ab_serving.write_prompt_file(str(path), [(" ".join(["def f(x):"] * words), "return x") for _ in range(n)])
+
+
+def test_prompt_file_is_validated_naming_the_option(tmp_path):
+    args = _parse(["--cpu", "--model-path", TRAINED_MODEL, "--concurrency", "4", "16", "--input-len", "16",
+                   "--prompt-file", _write_prompts(tmp_path / "p.json", 32)])
+    label = ab_serving.check_prompt_file(args)
+    assert label.startswith("p.json sha256:") and len(label.split(":")[1]) == 12
+    assert len(ab_serving.load_prompt_file(args.prompt_file)) == 32
+
+    def refused(content=None, n=None, input_len=16, name="bad.json"):
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(content)
+        elif n is not None:
+            _write_prompts(path, n)
+        args.prompt_file, args.input_len = str(path), input_len
+        with pytest.raises(SystemExit) as e:
+            ab_serving.check_prompt_file(args)
+        assert str(e.value).startswith(f"--prompt-file {path}: "), e.value
+        return str(e.value)
+
+    assert "cannot read" in refused(name="missing.json")
+    assert "not JSON" in refused("{")
+    assert "non-empty JSON list" in refused("[]")
+    assert "entry 1" in refused(json.dumps([{"conversations": [{"value": "a"}, {"value": "b"}]},
+                                            {"conversations": [{"value": "a"}]}]))
+    assert "entry 0" in refused(json.dumps([{"conversations": [{"value": ""}, {"value": "b"}]}]))
+    assert "31 prompts, but a run of this sweep sends 32" in refused(n=31)  # 2 * C=16
+    assert "shorter than --input-len 4096" in refused(n=32, input_len=4096)
 
 
 def test_server_stop_kills_whole_process_group(tmp_path):
@@ -237,7 +288,7 @@ _FAKE_BENCH = textwrap.dedent('''
 
     def cli_main():
         p = argparse.ArgumentParser()
-        for f in ("--backend", "--host", "--tokenizer", "--dataset-name", "--output-file"):
+        for f in ("--backend", "--host", "--tokenizer", "--dataset-name", "--dataset-path", "--output-file"):
             p.add_argument(f)
         for f in ("--port", "--random-input-len", "--random-output-len", "--num-prompts", "--max-concurrency",
                   "--seed"):
@@ -257,7 +308,8 @@ _FAKE_BENCH = textwrap.dedent('''
         with open(a.output_file, "a") as f:
             f.write(json.dumps(res) + "\\n")
         with open(os.environ["FAKE_BENCH_LOG"], "a") as f:
-            f.write(json.dumps({"event": "run", "pid": os.getpid(), "k0": k0, "c": a.max_concurrency}) + "\\n")
+            f.write(json.dumps({"event": "run", "pid": os.getpid(), "k0": k0, "c": a.max_concurrency,
+                                "data": [a.dataset_name, a.dataset_path]}) + "\\n")
 
     if __name__ == "__main__":
         cli_main()
@@ -275,7 +327,9 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     out = tmp_path / "out"
-    client = (["--bench-module", str(tmp_path / "fake_bench.py")] if mode == "driver"
+    # driver mode also reads a prompt file (its tokenizer cannot load here: lengths go unchecked)
+    prompts = _write_prompts(tmp_path / "prompts.json", 8)
+    client = (["--bench-module", str(tmp_path / "fake_bench.py"), "--prompt-file", prompts] if mode == "driver"
               else ["--bench-cmd", f"{sys.executable} {tmp_path / 'fake_bench.py'}"])
     argv = ["--model-path", str(tmp_path), "--port", str(ab_serving.free_port()), "--k0", "3", "5",
             "--oea-max-batch", "64", "--concurrency", "1", "4", "--repeats", "2", "--num-prompts", "4",
@@ -292,6 +346,8 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
     bev = [json.loads(line) for line in bench_events.read_text().splitlines()]
     runs = [e for e in bev if e["event"] == "run"]
     assert len(runs) == 3 * (1 + 2 * 2)
+    data = ["random", prompts] if mode == "driver" else ["random-ids", None]
+    assert all(e["data"] == data for e in runs)  # warm-up included
     imports = [e["pid"] for e in bev if e["event"] == "import"]
     if mode == "driver":
         assert len(imports) == 3 and len(set(imports)) == 3
@@ -322,6 +378,8 @@ def test_launch_mode_end_to_end_with_stand_ins(tmp_path, monkeypatch, mode):
         (a, c, r) for a in ("baseline", "oea-k0=3", "oea-k0=5") for c in (1, 4) for r in (0, 1)}
     assert all("server_info" not in r for r in recs)
     assert all(r["bench_concurrency"] == 0.97 for r in recs)  # bench's achieved mean kept apart
+    label = "prompts.json sha256:" + hashlib.sha256(open(prompts, "rb").read()).hexdigest()[:12]
+    assert {r["prompts"] for r in recs} == {label if mode == "driver" else "random-ids"}
     assert {r["seed"] for r in recs if r["repeat"] == 1} == {2}
     # counters are differenced over the run; the gauge is kept as read, never differenced
     assert all(r["oea_metrics_delta"] == {"sglang_oea_steps_total": 10.0} for r in recs)
@@ -406,21 +464,57 @@ def test_demo_command_line():
 
     args = demo.build_parser().parse_args(["--out-dir", "/tmp/d", "--port", "31999"])
     assert (args.oea_min_batch, args.oea_max_batch) == (demo.DEFAULT_MIN_BATCH, demo.DEFAULT_MAX_BATCH)
-    assert args.k0 == [3, 4, 5] and args.concurrency == [1, 4, 16, 32, 64] and args.repeats == 1
-    argv = demo.ab_argv(args, "/tmp/d/model")
+    assert args.k0 == [3, 4, 5] and args.concurrency == [4, 16, 64] and args.repeats == 1
+    assert args.model_path == demo.TRAINED_MODEL and args.prompts == "heldout" and not args.random_weights
+    assert demo.prompt_count(args.concurrency) == 128
+    argv = demo.ab_argv(args, "/tmp/d/heldout_prompts.json")
     own, server_args = ab_serving._split_passthrough(argv)
     ab = _parse(own)
-    assert ab.cpu and ab.model_path == "/tmp/d/model" and ab.port == 31999 and not ab.bench_subprocess
-    assert ab.k0 == [3, 4, 5] and ab.concurrency == [1, 4, 16, 32, 64] and ab.repeats == 1
-    assert (ab.input_len, ab.output_len) == (64, 64)
+    assert ab.cpu and ab.model_path == os.path.abspath(TRAINED_MODEL) and ab.port == 31999 and not ab.bench_subprocess
+    assert ab.prompt_file == "/tmp/d/heldout_prompts.json"
+    assert ab.k0 == [3, 4, 5] and ab.concurrency == [4, 16, 64] and ab.repeats == 1
+    assert (ab.input_len, ab.output_len, ab.warmup_prompts) == (64, 64, 8)
     assert (ab.oea_min_batch, ab.oea_max_batch) == (demo.DEFAULT_MIN_BATCH, demo.DEFAULT_MAX_BATCH)
-    assert [ab_serving.num_prompts_for(c, ab) for c in ab.concurrency] == [8, 8, 32, 64, 128]  # >= 2 waves
+    assert [ab_serving.num_prompts_for(c, ab) for c in ab.concurrency] == [8, 32, 128]  # >= 2 waves
+    assert max(ab_serving.num_prompts_for(c, ab) for c in ab.concurrency) == demo.prompt_count(ab.concurrency)
     assert ab_serving.oea_flags(4, ab)[:2] == ["--oea-k0", "4"]
-    assert server_args[:2] == ["--load-format", "dummy"] and "--enable-metrics" in server_args
-    custom = demo.build_parser().parse_args(["--k0", "4", "--concurrency", "2", "8", "--repeats", "3",
-                                             "--oea-min-batch", "4", "--oea-max-batch", "32"])
-    ab = _parse(ab_serving._split_passthrough(demo.ab_argv(custom, "m"))[0])
+    assert "--load-format" not in server_args and "--enable-metrics" in server_args  # the trained weights
+    assert demo.LABEL in ab.title
+    head = demo.header(args)
+    assert demo.LABEL in head and "qwen3_moe_stdlib: Qwen3MoeForCausalLM, 128 experts, top-8, hidden 128" in head
+    assert "trained weights (Python standard library source" in head and "held-out text" in head
+
+    # the random-weight comparison: same checkpoint (architecture, tokenizer, prompts), dummy weights
+    rand = demo.build_parser().parse_args(["--random-weights", "--k0", "4", "--concurrency", "2", "8",
+                                           "--repeats", "3", "--oea-min-batch", "4", "--oea-max-batch", "32"])
+    own, server_args = ab_serving._split_passthrough(demo.ab_argv(rand, "p.json"))
+    ab = _parse(own)
     assert (ab.k0, ab.concurrency, ab.repeats, ab.oea_min_batch, ab.oea_max_batch) == ([4], [2, 8], 3, 4, 32)
+    assert ab.model_path == os.path.abspath(TRAINED_MODEL) and ab.prompt_file == "p.json"
+    assert server_args[-2:] == ["--load-format", "dummy"] and "DUMMY weights" in ab.title
+    assert "DUMMY weights" in demo.header(rand)
+
+    ids = demo.build_parser().parse_args(["--prompts", "random-ids", "--model-path", "/elsewhere"])
+    assert demo.prepare_prompts(ids) is None and "--prompt-file" not in demo.ab_argv(ids)
+    assert "random token ids" in demo.header(ids)
+    with pytest.raises(SystemExit, match="--prompts heldout: /elsewhere has no heldout.txt"):
+        demo.prepare_prompts(demo.build_parser().parse_args(["--model-path", "/elsewhere"]))
+
+
+def test_demo_prompts_are_heldout_windows_token_for_token(tmp_path):
+    import demo
+    import heldout
+    from transformers import AutoTokenizer
+
+    path = demo.write_heldout_prompts(TRAINED_MODEL, str(tmp_path / "p.json"), 6, prompt_len=16, continuation_len=8)
+    rows = heldout.prompt_continuations(TRAINED_MODEL, 6, 16, 8, demo.HELDOUT_SEED)
+    tok = AutoTokenizer.from_pretrained(TRAINED_MODEL)  # as bench_serving tokenizes the prompts
+    entries = json.load(open(path))
+    assert [tok.encode(e["conversations"][0]["value"]) for e in entries] == [r["prompt_ids"] for r in rows]
+    assert [tok.encode(e["conversations"][1]["value"]) for e in entries] == [r["continuation_ids"] for r in rows]
+    args = _parse(["--cpu", "--model-path", TRAINED_MODEL, "--prompt-file", path, "--num-prompts", "6",
+                   "--warmup-prompts", "6", "--input-len", "16"])
+    assert ab_serving.check_prompt_file(args).startswith("p.json sha256:")
 
 
 def test_demo_expert_table():
