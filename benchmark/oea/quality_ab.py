@@ -12,11 +12,18 @@ flight), greedy (temperature 0). The arms run one after the other, never at the 
     python benchmark/oea/quality_ab.py --base-url URL --prompts p.jsonl --concurrency 16 --out q
     python benchmark/oea/quality_ab.py --oea-url URL --baseline-from q/arm_baseline.json \
         --prompts p.jsonl --concurrency 16 --out q
+    # both arms saved: the report alone, no server
+    python benchmark/oea/quality_ab.py --baseline-from q/arm_baseline.json --oea-from q/arm_oea.json \
+        --prompts p.jsonl --concurrency 16 --out q
 
-Prompts: JSONL, one object a line: {"prompt": str, "answer": str|number (optional),
-"answer_regex": str (optional)}. The extracted answer is the first group (or the whole match) of
-the first match of the line's answer_regex, else --answer-regex, else the whole output; it is
-correct when it equals the answer after stripping surrounding whitespace.
+Prompts: JSONL, one object a line: {"prompt": str | [token id, ...], "answer": str|number
+(optional), "answer_regex": str (optional), "reference_ids": [token id, ...] (optional)}. A prompt
+given as token ids is sent as ids (the completion `prompt` may be a list of ids), so the server sees
+exactly those tokens. The extracted answer is the first group (or the whole match) of the first
+match of the line's answer_regex, else --answer-regex, else the whole output; it is correct when it
+equals the answer after stripping surrounding whitespace. `reference_ids` is a true continuation
+(e.g. held-out text): each arm's reference match is the share of its generated positions whose
+token id equals the reference's at that position.
 
 Tokens are compared by id: SGLang's /v1/completions returns the generated ids in
 choices[0].token_ids when asked with "return_token_ids": true (logprobs tokens are display
@@ -31,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import sys
 import time
@@ -38,7 +46,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Pattern, Sequence, Tuple
+from typing import Dict, List, Optional, Pattern, Sequence, Tuple, Union
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 METRIC_PREFIX = "sglang:oea_"
@@ -52,19 +60,27 @@ APPLIED_DEFINITION = ("applied / (applied + skipped for every reason but not_dec
                       "--decode-log-interval, so start that server with --decode-log-interval 1 for exact counts")
 DIVERGENCE_DEFINITION = ("first index i where the token ids differ; when one output is a prefix of the other, "
                          "the shorter length; over the outputs that are not identical")
+REFERENCE_DEFINITION = ("per prompt: the share of positions i < min(output length, reference length) where the "
+                        "generated token id equals reference_ids[i] (free-running: after a miss the output "
+                        "continues from its own tokens); then the mean over prompts")
+BOOTSTRAP_RESAMPLES = 4000
 
 
 class InputError(ValueError):
     """Bad user input (file, JSONL line, regex, flag); main prints it and exits with 2."""
 
 
+Prompt = Union[str, Tuple[int, ...]]  # text, or token ids sent as ids
+
+
 @dataclass(frozen=True)
 class Item:
-    """One prompt; `answer` None when it has none."""
+    """One prompt; `answer` None when it has none, `reference` (true continuation ids) None likewise."""
 
-    prompt: str
+    prompt: Prompt
     answer: Optional[str] = None
     regex: Optional[Pattern] = None
+    reference: Optional[Tuple[int, ...]] = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,6 +98,26 @@ def compile_regex(text: object, where: str) -> Pattern:
         raise InputError(f"{where}: invalid regex {text!r}: {e}") from None
 
 
+def token_ids(value: object) -> Optional[Tuple[int, ...]]:
+    """`value` as a tuple of token ids when it is a non-empty list of non-negative ints, else None."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return None
+    return tuple(value)
+
+
+def parse_prompt(value: object, where: str) -> Prompt:
+    """A line's 'prompt': a non-empty string, or a non-empty list of token ids (tuple)."""
+    if isinstance(value, str) and value:
+        return value
+    ids = token_ids(value)
+    if ids is None:
+        raise InputError(f"{where}: field 'prompt' must be a non-empty string or a non-empty list of "
+                         "token ids (integers >= 0)")
+    return ids
+
+
 def parse_item(line: str, where: str, default_regex: Optional[Pattern]) -> Item:
     """One JSONL line; `where` is 'FILE:LINE' for the error messages."""
     try:
@@ -90,16 +126,19 @@ def parse_item(line: str, where: str, default_regex: Optional[Pattern]) -> Item:
         raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise InputError(f"{where}: field 'prompt' must be a non-empty string")
+    prompt = parse_prompt(obj.get("prompt"), where)
     answer = obj.get("answer")
     if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
         raise InputError(f"{where}: field 'answer' must be a string or a number")
     regex = default_regex
     if "answer_regex" in obj:
         regex = compile_regex(obj["answer_regex"], f"{where}: field 'answer_regex'")
-    return Item(prompt, None if answer is None else str(answer), regex)
+    reference = None
+    if "reference_ids" in obj:
+        reference = token_ids(obj["reference_ids"])
+        if reference is None:
+            raise InputError(f"{where}: field 'reference_ids' must be a non-empty list of token ids (integers >= 0)")
+    return Item(prompt, None if answer is None else str(answer), regex, reference)
 
 
 def load_prompts(path: str, default_regex: Optional[Pattern] = None) -> List[Item]:
@@ -114,7 +153,7 @@ def load_prompts(path: str, default_regex: Optional[Pattern] = None) -> List[Ite
 
 
 def prompts_digest(items: Sequence[Item]) -> str:
-    """sha256 of the prompt texts in order: ties a saved arm to its prompts."""
+    """sha256 of the prompts (texts or id lists) in order: ties a saved arm to its prompts."""
     return hashlib.sha256(json.dumps([it.prompt for it in items]).encode()).hexdigest()
 
 
@@ -204,6 +243,49 @@ def mcnemar_exact_p(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def normal_interval(values: Sequence[float], z: float = Z95) -> Tuple[Optional[float], Optional[Tuple[float, float]]]:
+    """(mean, mean +- z * sd / sqrt(n)) of `values`, sd with n - 1; (None, None) when empty, CI None for n < 2."""
+    n = len(values)
+    if n == 0:
+        return None, None
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    half = z * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) / math.sqrt(n)
+    return mean, (mean - half, mean + half)
+
+
+def bootstrap_interval(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = 0) -> Optional[Tuple[float, float]]:
+    """Percentile bootstrap 95% interval of the mean of `values` (n >= 2, else None).
+
+    `resamples` means of n draws with replacement from a Random(seed); the 2.5% and 97.5%
+    percentiles of those means. Seeded, so a report is reproducible from its inputs.
+    """
+    n = len(values)
+    if n < 2:
+        return None
+    rng = random.Random(seed)
+    means = [math.fsum(rng.choices(values, k=n)) / n for _ in range(resamples)]
+    return percentile(means, 0.025), percentile(means, 0.975)
+
+
+def paired_mean_difference(base: Sequence[float], oea: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                           seed: int = 0) -> Dict:
+    """OEA minus baseline of a per-prompt measure: [n] floats each arm, paired by prompt.
+
+    d_i = oea_i - base_i; returns {"n", "baseline", "oea" (arm means), "mean" (mean d), "ci95" (percentile
+    bootstrap over prompts), "ci95_normal" (mean +- 1.96 sd/sqrt(n)), "method"}.
+    """
+    assert len(base) == len(oea), f"{len(base)=} {len(oea)=}"
+    diffs = [o - b for b, o in zip(base, oea)]
+    mean, normal = normal_interval(diffs)
+    return {"n": len(diffs), "baseline": normal_interval(base)[0], "oea": normal_interval(oea)[0], "mean": mean,
+            "ci95": bootstrap_interval(diffs, resamples, seed), "ci95_normal": normal,
+            "method": f"paired over prompts; ci95: percentile bootstrap of the mean difference ({resamples} "
+                      f"resamples, seed {seed}); ci95_normal: mean +- 1.96 sd/sqrt(n), sd with n-1"}
+
+
 def paired_difference(base: Sequence[bool], oea: Sequence[bool], z: float = Z95) -> Dict:
     """OEA minus baseline accuracy over paired outcomes, with a normal-approximation CI.
 
@@ -211,13 +293,8 @@ def paired_difference(base: Sequence[bool], oea: Sequence[bool], z: float = Z95)
     (None for n < 2). Also the discordant counts and the exact McNemar p-value.
     """
     assert len(base) == len(oea), f"{len(base)=} {len(oea)=}"
-    n = len(base)
     diffs = [int(o) - int(b) for b, o in zip(base, oea)]
-    mean = sum(diffs) / n if n else None
-    ci = None
-    if n >= 2:
-        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-        ci = (mean - z * sd / math.sqrt(n), mean + z * sd / math.sqrt(n))
+    mean, ci = normal_interval(diffs, z)
     oea_only, base_only = diffs.count(1), diffs.count(-1)
     return {"mean": mean, "ci95": ci, "oea_only_correct": oea_only, "baseline_only_correct": base_only,
             "mcnemar_exact_p": mcnemar_exact_p(base_only, oea_only),
@@ -232,6 +309,14 @@ def extract_answer(text: str, regex: Optional[Pattern]) -> Optional[str]:
     if match is None:
         return None
     return (match.group(1) if regex.groups else match.group(0)).strip()
+
+
+def reference_match(generated: Sequence[int], reference: Sequence[int]) -> Optional[float]:
+    """Share of positions i < min(len) where generated[i] == reference[i]; None when either is empty."""
+    compared = min(len(generated), len(reference))
+    if compared == 0:
+        return None
+    return sum(g == r for g, r in zip(generated, reference)) / compared
 
 
 def arm_accuracy(correct: Sequence[bool]) -> Dict:
@@ -354,10 +439,10 @@ def flush_cache(base_url: str) -> bool:
         return False
 
 
-def complete(base_url: str, model: str, prompt: str, opts: argparse.Namespace) -> Dict:
+def complete(base_url: str, model: str, prompt: Prompt, opts: argparse.Namespace) -> Dict:
     """One greedy completion: {"text", "token_ids", "finish_reason"}."""
-    payload = {"model": model, "prompt": prompt, "max_tokens": opts.max_tokens, "temperature": 0,
-               "return_token_ids": True}
+    payload = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
+               "max_tokens": opts.max_tokens, "temperature": 0, "return_token_ids": True}
     if opts.ignore_eos:
         payload["ignore_eos"] = True
     choice = http_json(base_url + "/v1/completions", payload, opts.timeout)["choices"][0]
@@ -412,6 +497,23 @@ def grade(item: Item, text: str) -> bool:
     return extract_answer(text, item.regex) == item.answer.strip()
 
 
+def reference_matches(items: Sequence[Item], outputs: Sequence[Dict]) -> List[Optional[float]]:
+    """Each prompt's reference match (None without reference_ids or with an empty output): [n]."""
+    return [None if it.reference is None else reference_match(out["token_ids"], it.reference)
+            for it, out in zip(items, outputs)]
+
+
+def reference_section(items: Sequence[Item], base: Sequence[Dict], oea: Sequence[Dict]) -> Optional[Dict]:
+    """Mean reference match per arm and the paired difference, over the prompts where both arms have
+    one; None when no prompt has reference_ids."""
+    pairs = [(b, o) for b, o in zip(reference_matches(items, base), reference_matches(items, oea))
+             if b is not None and o is not None]
+    if not pairs:
+        return None
+    return {**paired_mean_difference([b for b, _ in pairs], [o for _, o in pairs]),
+            "definition": REFERENCE_DEFINITION}
+
+
 def build_report(items: Sequence[Item], base: Dict, oea: Dict, repeat: Optional[Dict] = None) -> Dict:
     """quality.json's content from the arm records (`repeat`: a second baseline run, or None)."""
     warnings = []
@@ -425,6 +527,7 @@ def build_report(items: Sequence[Item], base: Dict, oea: Dict, repeat: Optional[
             "arms": arms, "agreement": compare_outputs(base["outputs"], oea["outputs"]),
             "noise_floor": compare_outputs(base["outputs"], repeat["outputs"]) if repeat else None,
             "accuracy": accuracy_section(items, base["outputs"], oea["outputs"]),
+            "reference_match": reference_section(items, base["outputs"], oea["outputs"]),
             "oea_applied": oea["oea_steps"], "warnings": warnings}
 
 
@@ -465,6 +568,14 @@ def accuracy_rows(acc: Optional[Dict]) -> List[Tuple[str, str]]:
                     f"{counts}, exact McNemar p = {fmt(diff['mcnemar_exact_p'])}")]
 
 
+def reference_rows(ref: Optional[Dict]) -> List[Tuple[str, str]]:
+    if ref is None:
+        return []
+    return [("reference match baseline / OEA (mean over prompts)", f"{fmt(ref['baseline'])} / {fmt(ref['oea'])} "
+             f"({ref['n']} prompts)"),
+            ("reference match OEA - baseline (paired, bootstrap 95%)", f"{fmt(ref['mean'])} {fmt_ci(ref['ci95'])}")]
+
+
 def applied_rows(applied: Optional[Dict]) -> List[Tuple[str, str]]:
     if applied is None:
         return [("OEA applied (share of decode steps)", "n/a (no OEA counters on the OEA server's /metrics)")]
@@ -479,16 +590,18 @@ def render_markdown(report: Dict) -> str:
     rows += agreement_rows("", report["agreement"])
     if report["noise_floor"] is not None:
         rows += agreement_rows("noise floor (baseline vs baseline): ", report["noise_floor"])
-    rows += accuracy_rows(report["accuracy"]) + applied_rows(report["oea_applied"])
+    rows += accuracy_rows(report["accuracy"]) + reference_rows(report.get("reference_match"))
+    rows += applied_rows(report["oea_applied"])
     lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     notes = [f"- token agreement: {AGREEMENT_DEFINITION}.", f"- first divergence: {DIVERGENCE_DEFINITION}."]
+    notes += [f"- reference match: {REFERENCE_DEFINITION}."] if report.get("reference_match") else []
     notes += [f"- OEA applied: {APPLIED_DEFINITION}."] if report["oea_applied"] is not None else []
     notes += [f"- warning: {w}" for w in report["warnings"]]
     return "\n".join(lines + [""] + notes) + "\n"
 
 
 def per_prompt_rows(items: Sequence[Item], base: Dict, oea: Dict) -> List[Dict]:
-    """outputs.jsonl: each prompt's outputs, divergence and extracted answers."""
+    """outputs.jsonl: each prompt's outputs, divergence, extracted answers and reference match."""
     rows = []
     for item, b, o in zip(items, base["outputs"], oea["outputs"]):
         row = {"prompt": item.prompt, "answer": item.answer, "baseline": b, "oea": o,
@@ -496,6 +609,10 @@ def per_prompt_rows(items: Sequence[Item], base: Dict, oea: Dict) -> List[Dict]:
         if item.answer is not None:
             row["extracted"] = {"baseline": extract_answer(b["text"], item.regex),
                                 "oea": extract_answer(o["text"], item.regex)}
+        if item.reference is not None:
+            row["reference_ids"] = item.reference
+            row["reference_match"] = {"baseline": reference_match(b["token_ids"], item.reference),
+                                      "oea": reference_match(o["token_ids"], item.reference)}
         rows.append(row)
     return rows
 
@@ -530,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oea-url", help="OEA server, same model and flags plus --oea-*")
     p.add_argument("--baseline-from", help="reuse a saved baseline arm (arm_baseline.json) instead of --base-url")
     p.add_argument("--oea-from", help="reuse a saved OEA arm (arm_oea.json) instead of --oea-url")
-    p.add_argument("--prompts", required=True, help="JSONL: prompt, optional answer and answer_regex")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL: prompt (text or token ids), optional answer, answer_regex, reference_ids")
     p.add_argument("--answer-regex", help="default answer-extraction regex (first group, or the whole match)")
     p.add_argument("--concurrency", type=int, required=True, help="requests in flight, both arms")
     p.add_argument("--max-tokens", type=int, required=True, help="max output tokens per request")
@@ -554,7 +672,7 @@ def check_args(args: argparse.Namespace) -> None:
     for url, saved, name in ((args.base_url, args.baseline_from, "baseline"), (args.oea_url, args.oea_from, "oea")):
         if url and saved:
             raise InputError(f"give either the {name} URL or a saved {name} arm, not both")
-    if not (args.base_url or args.oea_url):
+    if not (args.base_url or args.oea_url or (args.baseline_from and args.oea_from)):
         raise InputError("give --base-url and/or --oea-url (a missing arm may come from --baseline-from / --oea-from)")
 
 

@@ -1,4 +1,5 @@
-"""benchmark/oea/quality_ab.py: its statistics and input checks (pure), then both arms on real servers.
+"""benchmark/oea/quality_ab.py: its statistics and input checks (pure), the measures of
+quality_learned.py (the trained-model study; no server), then both arms on real servers.
 
 The server tests start one CPU server at a time (2 cores): the baseline arm is saved once and
 reused (--baseline-from) by each OEA server's run; the servers differ only in their --oea-* flags.
@@ -19,6 +20,7 @@ from random import Random
 import pytest
 
 import quality_ab as qa
+import quality_learned as ql
 from test_server_e2e import TOP_K, make_model, serve
 
 
@@ -122,6 +124,47 @@ def test_applied_share_from_metrics():
     assert qa.applied_share(None, METRICS_AFTER) is None
 
 
+def test_reference_match():
+    assert qa.reference_match([1, 2, 3, 4], [1, 9, 3, 9]) == pytest.approx(0.5)
+    assert qa.reference_match([1, 2], [1, 2, 3]) == 1.0  # positions of the shorter only
+    assert qa.reference_match([], [1]) is None and qa.reference_match([1], []) is None
+
+
+def test_normal_and_bootstrap_intervals():
+    assert qa.normal_interval([]) == (None, None) and qa.normal_interval([2.0]) == (2.0, None)
+    mean, ci = qa.normal_interval([1.0, 2.0, 3.0])  # sd 1
+    assert mean == 2.0 and ci == pytest.approx((2 - qa.Z95 / 3 ** 0.5, 2 + qa.Z95 / 3 ** 0.5))
+    # Means of two draws from {0, 1}: 0, 0.5, 1 with chances 1/4, 1/2, 1/4; both tails hold > 2.5%.
+    assert qa.bootstrap_interval([0.0, 1.0]) == (0.0, 1.0)
+    assert qa.bootstrap_interval([0.25] * 5) == pytest.approx((0.25, 0.25))
+    assert qa.bootstrap_interval([1.0]) is None
+    values = [((i * 37) % 101) / 100 for i in range(400)]  # spread over [0, 1]
+    low, high = qa.bootstrap_interval(values, seed=3)
+    assert qa.bootstrap_interval(values, seed=3) == (low, high)  # seeded
+    normal = qa.normal_interval(values)[1]
+    assert low == pytest.approx(normal[0], abs=0.01) and high == pytest.approx(normal[1], abs=0.01)
+
+
+def test_paired_mean_difference():
+    diff = qa.paired_mean_difference([0.5, 0.25, 1.0], [0.75, 0.5, 1.25])  # d = 0.25 for every prompt
+    assert (diff["n"], diff["mean"]) == (3, pytest.approx(0.25))
+    assert (diff["baseline"], diff["oea"]) == (pytest.approx(7 / 12), pytest.approx(10 / 12))
+    assert diff["ci95"] == pytest.approx((0.25, 0.25)) and diff["ci95_normal"] == pytest.approx((0.25, 0.25))
+    empty = qa.paired_mean_difference([], [])
+    assert empty["mean"] is None and empty["ci95"] is None
+
+
+def test_reference_section_pairs_by_prompt():
+    items = [qa.Item((1, 2), reference=(5, 6)), qa.Item("text"), qa.Item((3,), reference=(7, 8))]
+    base = [{"token_ids": [5, 6]}, {"token_ids": [1]}, {"token_ids": [7, 0]}]
+    oea = [{"token_ids": [5, 0]}, {"token_ids": [2]}, {"token_ids": [7, 0]}]
+    assert qa.reference_matches(items, base) == [1.0, None, 0.5]
+    section = qa.reference_section(items, base, oea)  # the prompt without reference_ids is left out
+    assert (section["n"], section["baseline"], section["oea"]) == (2, 0.75, 0.5)
+    assert section["mean"] == pytest.approx(-0.25)
+    assert qa.reference_section(items[1:2], base[1:2], oea[1:2]) is None
+
+
 # ----------------------------------------------------------------------------- input validation
 
 
@@ -139,7 +182,37 @@ def test_load_prompts_ok(tmp_path):
     assert items[0].regex.pattern == r"(\d+)" and items[1].regex.pattern == "(x)"
 
 
+def test_load_prompts_token_ids(tmp_path):
+    lines = ['{"prompt": [5, 0, 17], "reference_ids": [3, 4]}', '{"prompt": "text"}']
+    items = qa.load_prompts(write_lines(tmp_path / "p.jsonl", lines))
+    assert items[0].prompt == (5, 0, 17) and items[0].reference == (3, 4)
+    assert items[1].prompt == "text" and items[1].reference is None
+    # The digest of text prompts is what it was before ids were accepted: saved arms stay valid.
+    assert qa.prompts_digest(items[1:]) == qa.hashlib.sha256(b'["text"]').hexdigest()
+
+
+def test_token_id_prompts_are_sent_as_id_lists(monkeypatch):
+    sent = []
+
+    def answer(url, payload, timeout):
+        sent.append(payload)
+        return {"choices": [{"text": "x", "token_ids": [9], "finish_reason": "length"}]}
+
+    monkeypatch.setattr(qa, "http_json", answer)
+    opts = qa.build_parser().parse_args(["--prompts", "p", "--concurrency", "1", "--max-tokens", "1", "--out", "o"])
+    assert qa.complete("http://h", "m", (4, 5), opts)["token_ids"] == [9]
+    assert qa.complete("http://h", "m", "text", opts)["token_ids"] == [9]
+    assert [p["prompt"] for p in sent] == [[4, 5], "text"]
+
+
 @pytest.mark.parametrize("lines, message", [
+    (['{"prompt": []}'], "p.jsonl:1: field 'prompt' must be a non-empty string or a non-empty list of token ids"),
+    (['{"prompt": [1, -2]}'], "p.jsonl:1: field 'prompt'"),
+    (['{"prompt": [1, true]}'], "p.jsonl:1: field 'prompt'"),
+    (['{"prompt": [1, 2.0]}'], "p.jsonl:1: field 'prompt'"),
+    (['{"prompt": [1, "2"]}'], "p.jsonl:1: field 'prompt'"),
+    (['{"prompt": [1], "reference_ids": []}'], "p.jsonl:1: field 'reference_ids'"),
+    (['{"prompt": "a"}', '{"prompt": "a", "reference_ids": "12"}'], "p.jsonl:2: field 'reference_ids'"),
     (['{"prompt": "a"}', '{"prompt": "b"'], "p.jsonl:2: not valid JSON"),
     (['{"prompt": "a"}', "", '{"answer": 1}'], "p.jsonl:3: field 'prompt'"),
     (['{"prompt": 5}'], "p.jsonl:1: field 'prompt'"),
@@ -173,12 +246,114 @@ def test_cli_input_errors_exit_nonzero(tmp_path, capsys):
     assert "server error" in capsys.readouterr().err
 
 
+def saved_arm(items, name, outputs, concurrency=2, max_tokens=2):
+    """An arm record as run_arm writes it (no server)."""
+    return {"name": name, "url": "saved", "model": "m", "concurrency": concurrency, "max_tokens": max_tokens,
+            "ignore_eos": True, "prompts_sha256": qa.prompts_digest(items), "cache_flushed": True,
+            "elapsed_s": 1.0, "outputs": [{"text": "", "token_ids": ids, "finish_reason": "length"} for ids in outputs],
+            "oea_steps": None}
+
+
+def test_report_from_two_saved_arms(tmp_path):
+    """Token-id prompts with references, both arms saved: the report needs no server."""
+    lines = ['{"prompt": [1, 2], "reference_ids": [3, 4]}', '{"prompt": [5], "reference_ids": [6, 7]}']
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    items = qa.load_prompts(prompts)
+    arms = {"baseline": saved_arm(items, "baseline", [[3, 4], [6, 0]]),
+            "oea": saved_arm(items, "oea", [[3, 0], [6, 0]])}
+    for name, arm in arms.items():
+        qa.write_json(str(tmp_path / f"arm_{name}.json"), arm)
+    argv = ["--prompts", prompts, "--concurrency", "2", "--max-tokens", "2", "--ignore-eos", "--out", str(tmp_path),
+            "--baseline-from", str(tmp_path / "arm_baseline.json"), "--oea-from", str(tmp_path / "arm_oea.json")]
+    assert qa.main(argv) == 0
+    report = json.load(open(tmp_path / "quality.json"))
+    assert report["agreement"]["token_agreement"] == pytest.approx(3 / 4)
+    ref = report["reference_match"]
+    assert (ref["baseline"], ref["oea"], ref["mean"]) == (0.75, 0.5, pytest.approx(-0.25))
+    assert "reference match OEA - baseline" in open(tmp_path / "quality.md").read()
+    rows = [json.loads(line) for line in open(tmp_path / "outputs.jsonl")]
+    assert rows[0]["prompt"] == [1, 2] and rows[0]["reference_match"] == {"baseline": 1.0, "oea": 0.5}
+
+
 def test_script_exits_nonzero_on_bad_line(tmp_path):
     prompts = write_lines(tmp_path / "p.jsonl", ['{"prompt": "a"}', "not json"])
     argv = ["--base-url", "http://127.0.0.1:9", "--oea-url", "http://127.0.0.1:9", "--prompts", prompts,
             "--concurrency", "1", "--max-tokens", "1", "--out", str(tmp_path / "o")]
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "p.jsonl:2: not valid JSON" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- quality_learned.py (no server)
+
+
+DECODE_LOG = """\
+[t] Decode batch, #running-req: 4, OEA k0=4: applied 0/3 decode steps
+[t] Decode batch, #running-req: 4, OEA k0=4: applied 1/4 decode steps, experts/layer/step 30.0 -> 20.0 (0.67x)
+[t] Decode batch, #running-req: 4, OEA k0=4: applied 2/5 decode steps, experts/layer/step 50.0 -> 20.0 (0.40x)
+"""
+
+
+def test_experts_from_log():
+    experts = ql.experts_from_log(DECODE_LOG)
+    assert (experts["before"], experts["after"], experts["lines"]) == (40.0, 20.0, 2)
+    assert experts["ratio"] == pytest.approx(0.5)
+    assert ql.experts_from_log("no decode lines")["before"] is None
+
+
+@pytest.fixture(scope="module")
+def tiny_scorer(tmp_path_factory):
+    """A tiny random Qwen3-MoE saved and reloaded the way the study loads its scorer."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=48, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    path = str(tmp_path_factory.mktemp("scorer"))
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return ql.load_scorer(path)
+
+
+def test_continuation_nll_equals_direct_computation(tiny_scorer):
+    import torch
+
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8], [9, 10, 11]]
+    continuations = [[12, 13], [14, 15], [16, 17, 18], [19]]  # three (prompt, continuation) length pairs
+    got = ql.continuation_nll(tiny_scorer, prompts, continuations, batch_size=1)
+    for p, c, value in zip(prompts, continuations, got):
+        with torch.no_grad():
+            logits = tiny_scorer(input_ids=torch.tensor([p + c])).logits[0]  # [P + L, V]
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        direct = -sum(logp[len(p) - 1 + i, token].item() for i, token in enumerate(c)) / len(c)
+        assert value == pytest.approx(direct, abs=1e-5)
+    assert ql.continuation_nll(tiny_scorer, prompts, continuations) == pytest.approx(got, abs=1e-5)  # batched
+    with pytest.raises(ValueError, match="at least one token"):
+        ql.continuation_nll(tiny_scorer, [[1]], [[]])
+
+
+def test_study_markdown_has_the_label_and_a_row_per_k0_and_c():
+    items = [qa.Item((1, 2), reference=(3, 4)), qa.Item((5,), reference=(6, 7)), qa.Item((8,), reference=(9, 9))]
+    base = saved_arm(items, "baseline", [[3, 4], [6, 0], [9, 1]])
+    oea = saved_arm(items, "oea", [[3, 0], [6, 0], [9, 9]])
+    row = ql.compare_row(items, base, oea, qa.build_report(items, base, oea), [1.0, 2.0, 3.0], [1.5, 2.0, 3.5])
+    assert row["nll"]["mean"] == pytest.approx(1 / 3) and row["next_token_accuracy"]["mean"] == pytest.approx(0.0)
+    experts = {"before": 40.0, "after": 20.0, "ratio": 0.5, "lines": 2}
+    rows = [{"model": "m", "k0": k0, "concurrency": c, **row, "experts_per_layer_step": experts,
+             "oea_applied": {"share": 0.9}} for k0 in (3, 4) for c in (4, 16)]
+    baselines = [{"model": "m", "concurrency": 4, "noise_floor": ql.compare_row(
+        items, base, base, qa.build_report(items, base, base), [1.0] * 3, [1.0] * 3), "heldout_nll": {"mean": 2.9},
+        "batch_floor": {"against_concurrency": 4, "token_agreement": 1.0, "identical_share": 1.0}}]
+    settings = {"num_prompts": 3, "seed": 0, "prompt_len": 2, "continuation_len": 2, "oea_min_batch": 4}
+    study = {"settings": settings, "models": ["m"], "baselines": baselines, "rows": rows, "runtime_s": 1.0}
+    markdown = ql.render_markdown(study)
+    assert ql.LABEL in markdown
+    table = [line for line in markdown.splitlines() if line.startswith(("| 3 |", "| 4 |"))]
+    assert len(table) == 4 + 1  # four (k0, C) rows and the baseline's C=4 row
+    assert "| 3 | 16 | 0.6667 | 0.333 | 0.6667 -> 0.6667 | +0.0000 [" in markdown
+    assert "40.0 -> 20.0 (0.50x) | 0.900 |" in markdown
+    assert "| 4 | 0.6667 | 1.0000 | 2.9000 | 1.0000 | +0.0000 [+0.0000, +0.0000] |" in markdown
+    assert "| 1.0000 (1.000) |" in markdown and "wall time of the whole study: 1 s." in markdown
 
 
 # ----------------------------------------------------------------------------- real servers
