@@ -55,8 +55,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(os.path.dirname(_HERE))
@@ -204,6 +205,34 @@ class Server:
         self.proc.poll()
         self._log.close()
         log(f"server stopped (exit code {self.proc.returncode})")
+
+
+@contextmanager
+def cpu_server(model_dir: str, flags: Sequence[str], log_path: Callable[[], str], env: Dict[str, str],
+               timeout_s: float) -> Iterator[Tuple[str, str]]:
+    """A ready `sglang_oea.cpu_serve` server for model_dir on a free 127.0.0.1 port; yields (its
+    URL, its log's path) and stops its whole process group on exit. log_path() names each
+    attempt's log. Another process may take the chosen port before the server binds it, so up to
+    three ports are tried."""
+    for attempt in range(3):
+        port, path = free_port(), log_path()
+        cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model_dir, "--host", "127.0.0.1",
+               "--port", str(port), *flags]
+        server = Server(cmd, path, env)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", timeout_s, server.proc, path)
+            break
+        except PortTakenError:
+            server.stop()
+            if attempt == 2:
+                raise
+        except BaseException:
+            server.stop()
+            raise
+    try:
+        yield f"http://127.0.0.1:{port}", path
+    finally:
+        server.stop()
 
 
 def _send(fn, pid: int, sig: int) -> None:

@@ -77,26 +77,10 @@ def write_prompts(model_dir: str, path: str, args: argparse.Namespace) -> List[q
 
 @contextmanager
 def server(model_dir: str, flags: Sequence[str], log_path: str, timeout_s: float) -> Iterator[str]:
-    """A cpu_serve server on a free port, stopped (its whole process group) on exit: yields its URL."""
-    for attempt in range(3):  # another process may bind the chosen port first
-        port = ab_serving.free_port()
-        cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model_dir, "--host", "127.0.0.1",
-               "--port", str(port), *SERVER_FLAGS, *flags]
-        proc = ab_serving.Server(cmd, log_path, ab_serving.child_env())
-        try:
-            ab_serving.wait_ready(f"http://127.0.0.1:{port}", timeout_s, proc.proc, log_path)
-            break
-        except ab_serving.PortTakenError:
-            proc.stop()
-            if attempt == 2:
-                raise
-        except BaseException:
-            proc.stop()
-            raise
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    """A cpu_serve server with SERVER_FLAGS and `flags` (ab_serving.cpu_server): yields its URL."""
+    with ab_serving.cpu_server(model_dir, (*SERVER_FLAGS, *flags), lambda: log_path, ab_serving.child_env(),
+                               timeout_s) as (url, _):
+        yield url
 
 
 def quality_args(prompts: str, concurrency: int, out: str, args: argparse.Namespace, *arms: str) -> List[str]:

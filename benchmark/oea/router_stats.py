@@ -66,20 +66,15 @@ def generate(base_url: str, ids: List[int], output_len: int) -> None:
 def record(model_dir: str, dump_dir: str, args: argparse.Namespace) -> None:
     """Serve `model_dir` with SGLang's own routing recorded into dump_dir, under held-out traffic."""
     os.makedirs(dump_dir, exist_ok=True)
-    flags = ["--oea-k0", str(model_top_k(model_dir)), "--oea-min-batch", "1", "--oea-dump-router-logits",
-             dump_dir, "--oea-dump-steps", str(args.steps), "--max-running-requests", str(args.concurrency)]
-    port = ab_serving.free_port()
-    cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--random-seed", "0", *flags]
-    server = ab_serving.Server(cmd, os.path.join(dump_dir, "server.log"), {**ab_serving.child_env(), **THREAD_ENV})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        ab_serving.wait_ready(base_url, 600, server.proc, server.log_path)
+    flags = ["--random-seed", "0", "--oea-k0", str(model_top_k(model_dir)), "--oea-min-batch", "1",
+             "--oea-dump-router-logits", dump_dir, "--oea-dump-steps", str(args.steps),
+             "--max-running-requests", str(args.concurrency)]
+    env = {**ab_serving.child_env(), **THREAD_ENV}
+    log_path = os.path.join(dump_dir, "server.log")
+    with ab_serving.cpu_server(model_dir, flags, lambda: log_path, env, 600) as (base_url, _):
         prompts = heldout.prompt_continuations(model_dir, args.concurrency, args.prompt_len, 1, seed=args.seed)
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(lambda p: generate(base_url, p["prompt_ids"], args.output_len), prompts))
-    finally:
-        server.stop()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.server
 
-from ab_serving import PortTakenError, Server, child_env, free_port, wait_ready
+from ab_serving import child_env, cpu_server
 from sglang_oea.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -64,26 +64,9 @@ def serve(tmp_path_factory, model, *flags, plugins=True, extra_env=None):
         env["SGLANG_PLUGINS"] = plugins or "none-loaded"  # SGLang's whitelist; an unknown name loads none
     # A model written with --random-weights is loaded from its checkpoint; the others get dummy weights.
     weights = () if os.path.exists(os.path.join(model, "model.safetensors")) else ("--load-format", "dummy")
-    for attempt in range(3):  # another process may take the free port before the server binds it
-        port = free_port()
-        log = str(tmp_path_factory.mktemp("server") / "server.log")
-        cmd = [sys.executable, "-m", "sglang_oea.cpu_serve", "--model-path", model, *weights,
-               "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0", *flags]
-        server = Server(cmd, log, env)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", 400, server.proc, log)
-            break
-        except PortTakenError:
-            server.stop()
-            if attempt == 2:
-                raise
-        except BaseException:
-            server.stop()
-            raise
-    try:
-        yield f"http://127.0.0.1:{port}", log
-    finally:
-        server.stop()
+    logs = lambda: str(tmp_path_factory.mktemp("server") / "server.log")  # noqa: E731
+    with cpu_server(model, (*weights, "--random-seed", "0", *flags), logs, env, 400) as running:
+        yield running
 
 
 def post(url, payload, timeout=300):
