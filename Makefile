@@ -25,7 +25,7 @@ test-fast: install
 	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m "not server"
 
 demo: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VPY) benchmark/oea/demo.py --out-dir $(DEMO_OUT)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VPY) benchmark/oea/serving/demo.py --out-dir $(DEMO_OUT)
 
 # The plugin's wheel in dist/, built offline with the venv's setuptools (README, "Install").
 wheel: install
@@ -33,7 +33,7 @@ wheel: install
 	rm -rf python/build
 
 simulate: install
-	$(VPY) benchmark/oea/simulate.py --out-dir out/simulate
+	$(VPY) benchmark/oea/studies/simulate.py --out-dir out/simulate
 
 clean:
 	rm -rf out .pytest_cache

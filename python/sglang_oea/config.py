@@ -27,13 +27,31 @@ ENGINE_KEYWORDS = (
 
 
 @dataclass(frozen=True)
+class LiveSettings:
+    """The settings routing reads on every pass; on a server started with --oea-k0 they can change
+    while it runs (POST /set_internal_state). Validated where they come in (the flags, a live
+    update); this record only carries them.
+
+    k0: base size; 0 = OEA off (the router's own experts); >= the layer's top-k = a no-op.
+    min_batch: the gate's floor, in requests.
+    max_batch: the gate's cap, in routed token rows; 0 = no cap.
+    """
+
+    k0: int
+    min_batch: int
+    max_batch: int
+
+
+@dataclass(frozen=True)
 class OEAConfig:
     """The OEA settings of one server.
 
-    k0: experts each token keeps as its base; None turns OEA off.
+    k0: experts each token keeps as its base; None = OEA not installed; 0 = installed ("armed")
+        but off until a live change (POST /set_internal_state, sglang_oea.live_settings).
     min_batch: OEA applies only to decode batches with at least this many real requests (in
         speculative verify passes too: requests, not their draft tokens).
-    max_batch: OEA is skipped above this many real requests; 0 = no cap.
+    max_batch: OEA is skipped above this many routed token rows (requests x draft tokens in a
+        speculative verify pass); 0 = no cap.
     stats: count distinct experts before/after OEA on the device (for /metrics).
     kernel: "auto" (on CUDA the fused Triton kernel after a startup self-check that passed on
         every TP rank, else OEA off for that routing shape; on the CPU the torch path), "triton"
@@ -56,11 +74,11 @@ class OEAConfig:
     verify: bool = True
 
     def __post_init__(self):
-        _require_int("--oea-k0", self.k0, minimum=1, allow_none=True)
-        _require_int("--oea-min-batch", self.min_batch, minimum=1)
-        _require_int("--oea-max-batch", self.max_batch, minimum=0)
-        _require_int("--oea-dump-steps", self.dump_steps, minimum=1)
-        _require_int("--oea-check-ranks", self.check_ranks, minimum=0)
+        require_int("--oea-k0", self.k0, minimum=0, allow_none=True)
+        require_int("--oea-min-batch", self.min_batch, minimum=1)
+        require_int("--oea-max-batch", self.max_batch, minimum=0)
+        require_int("--oea-dump-steps", self.dump_steps, minimum=1)
+        require_int("--oea-check-ranks", self.check_ranks, minimum=0)
         if self.kernel not in KERNEL_CHOICES:
             raise ValueError(f"--oea-kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
         if not isinstance(self.stats, bool):
@@ -72,15 +90,16 @@ class OEAConfig:
                              "any expert, give --oea-k0 the model's top-k")
         if self.check_ranks and not self.enabled:
             raise ValueError("--oea-check-ranks compares the experts OEA chose, so it needs --oea-k0")
-        if self.max_batch and self.max_batch < self.min_batch:
-            raise ValueError(
-                f"--oea-max-batch must be 0 (no cap) or >= --oea-min-batch ({self.min_batch}), "
-                f"got {self.max_batch}"
-            )
+        check_batch_window("--oea-min-batch", self.min_batch, "--oea-max-batch", self.max_batch)
 
     @property
     def enabled(self) -> bool:
+        """OEA installed (--oea-k0 given, 0 included): its hooks are in place, and live settings apply."""
         return self.k0 is not None
+
+    def live(self) -> LiveSettings:
+        """The settings in force at startup (k0 None reads as 0: off)."""
+        return LiveSettings(self.k0 or 0, self.min_batch, self.max_batch)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,12 +112,19 @@ class OEAConfig:
         )
 
 
-def _require_int(flag: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    """Raise ValueError naming `flag` unless value is an int >= minimum (or None when allowed)."""
+def require_int(flag: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    """Raise ValueError naming `flag` unless value is an int >= minimum (or None when allowed).
+    A bool or a float (3.0 included) is not an int here."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_batch_window(min_name: str, min_batch: int, max_name: str, max_batch: int) -> None:
+    """Raise ValueError unless max_batch is 0 (no cap) or >= min_batch (both already integers)."""
+    if max_batch and max_batch < min_batch:
+        raise ValueError(f"{max_name} must be 0 (no cap) or >= {min_name} ({min_batch}), got {max_batch}")
 
 
 def parse_switch(flag: str, value: Any) -> bool:
@@ -116,7 +142,7 @@ def parse_int_flag(flag: str, text: str, minimum: int) -> int:
         value = int(text, 10)
     except (TypeError, ValueError):
         raise ValueError(f"{flag} must be an integer >= {minimum}, got {text!r}") from None
-    _require_int(flag, value, minimum)
+    require_int(flag, value, minimum)
     return value
 
 

@@ -55,12 +55,14 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the OEA argument group to SGLang's server parser."""
     group = parser.add_argument_group(
         "Opportunistic Expert Activation (sglang-oea)",
-        "Batch-aware MoE routing for decode (arXiv 2511.02237). Off unless --oea-k0 is given.",
+        "Batch-aware MoE routing for decode (arXiv 2511.02237). Not installed unless --oea-k0 is given.",
     )
     group.add_argument(
-        "--oea-k0", type=_int_type("--oea-k0", 1), default=None, metavar="K0",
-        help="Experts each token keeps as its own (k0 >= 1); the rest of its top-k is refilled "
-        "from experts the decode batch already loads. k0 >= the model's top-k is a no-op.",
+        "--oea-k0", type=_int_type("--oea-k0", 0), default=None, metavar="K0",
+        help="Experts each token keeps as its own; the rest of its top-k is refilled "
+        "from experts the decode batch already loads. k0 >= the model's top-k is a no-op. 0 installs OEA "
+        "but leaves it off (plain SGLang routing) until POST /set_internal_state sets oea_k0; "
+        "k0, --oea-min-batch and --oea-max-batch can be changed that way on a running server.",
     )
     group.add_argument(
         "--oea-min-batch", type=_int_type("--oea-min-batch", 1), default=DEFAULT_MIN_BATCH, metavar="M",
@@ -69,8 +71,9 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--oea-max-batch", type=_int_type("--oea-max-batch", 0), default=0, metavar="M",
-        help="Skip OEA above M real requests, where the batch touches nearly every expert anyway "
-        "(0 = no cap; see docs/oea.md for choosing M).",
+        help="Skip OEA above M routed token rows (requests in decode, requests x draft tokens in a "
+        "speculative verify pass), where the batch touches nearly every expert anyway "
+        "(0 = no cap; see docs/operating.md for choosing M).",
     )
     group.add_argument(
         "--oea-disable-stats", action="store_true",
@@ -84,7 +87,7 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--oea-dump-router-logits", default=None, metavar="DIR",
-        help="Record decode-step router logits into DIR for benchmark/oea/simulate.py (off by default).",
+        help="Record decode-step router logits into DIR for benchmark/oea/studies/simulate.py (off by default).",
     )
     group.add_argument(
         "--oea-dump-steps", type=_int_type("--oea-dump-steps", 1), default=32, metavar="N",
@@ -98,7 +101,8 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--oea-verify", choices=tuple(SWITCH_CHOICES), default=None,
         help="With --speculative-algorithm: route the target model's verify passes, where it decodes "
-        "(on, the default; every draft token is a row, the batch gate counts requests), or leave them alone (off).",
+        "(on, the default; every draft token is a row; --oea-min-batch counts requests, --oea-max-batch token rows), "
+        "or leave them alone (off).",
     )
 
 
@@ -202,7 +206,8 @@ def check_speculative(cfg: OEAConfig, algorithm: str, environ: Mapping[str, str]
         )
     logger.info(
         "sglang-oea: --speculative-algorithm %s: OEA routes the target model's verify passes (every draft "
-        "token is a row; --oea-min-batch / --oea-max-batch count requests). --oea-verify off leaves them alone.",
+        "token is a row; --oea-min-batch counts requests, --oea-max-batch token rows). --oea-verify off leaves "
+        "them alone.",
         algorithm,
     )
 
@@ -235,7 +240,11 @@ def check_model(shape: Optional[MoEShape], model_path: str, cfg: OEAConfig) -> N
         logger.warning("--oea-k0 %d >= the model's top-k %d: OEA is a no-op for %s.", cfg.k0, shape.top_k, model_path)
 
 
+# Every build of this release: 0.5.23 itself, post-releases (0.5.23.post1) and local builds
+# (0.5.23+cu130) carry the same internals. Pre- and dev releases (0.5.23rc1) come before it and may
+# not; other releases move the functions OEA hooks.
 SUPPORTED_SGLANG = "0.5.23"
+SUPPORTED_SGLANG_SPEC = ">=0.5.23,<0.5.24"  # the wheel's requirement, the same rule for pip
 
 
 def installed_sglang_version() -> str:
@@ -247,11 +256,22 @@ def installed_sglang_version() -> str:
         return "not installed"
 
 
+def supported_sglang(found: str) -> bool:
+    """Whether `found` is a 0.5.23 release build (post-releases and local builds included)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = Version(found)
+    except InvalidVersion:
+        return False
+    return version.release == (0, 5, 23) and not version.is_prerelease
+
+
 def check_sglang_version(found: str) -> None:
-    """OEA hooks SGLang's internals, which change between releases: refuse any other version."""
-    if found != SUPPORTED_SGLANG:
-        raise ValueError(f"--oea-k0 needs sglang=={SUPPORTED_SGLANG} (the version sglang-oea hooks into); "
-                         f"this environment has sglang {found}")
+    """OEA hooks SGLang's internals, which change between releases: refuse any other release."""
+    if not supported_sglang(found):
+        raise ValueError(f"--oea-k0 needs an sglang 0.5.23 build (0.5.23, 0.5.23.postN or 0.5.23+local; the "
+                         f"release sglang-oea hooks into); this environment has sglang {found}")
 
 
 def _cuda_available() -> bool:

@@ -4,17 +4,21 @@ Always installed (the flags must parse even when OEA is off); they add nothing e
   ServerArgs.add_cli_args    AROUND  adds the --oea-* argument group.
   ServerArgs.from_cli_args   AROUND  builds and validates OEAConfig before any weights load, and
                                      publishes it to the processes SGLang spawns next.
-  ServerArgs.resolve_once    AROUND  then, when OEA is on, refuses the parallel layouts in the
+  ServerArgs.resolve_once    AROUND  then, when OEA is installed, refuses the parallel layouts in the
                                      resolved arguments (resolution can turn on all-to-all dispatch
                                      and expert parallel: sglang_oea.startup_checks); on the command
                                      line an OEA refusal here is one `sglang-oea: error:` line.
-  Engine.__init__            AROUND  the same for sglang.Engine(oea_k0=...).
+  Engine.__init__            AROUND  the same for sglang.Engine(server_args=record).
+  Engine.server_args_class   (SGLang's class attribute for the Engine's record type, set, not
+                             wrapped) the same for sglang.Engine(oea_k0=...): Engine.__init__ builds
+                             its record right after load_plugins(), so it works for the first Engine
+                             of a process, which an __init__ hook would miss.
   resolution step handle_moe_kernel_config (SGLang's register_resolution_hook)
-                                     when OEA is on and `auto` resolved to a MoE backend that hides
+                                     when OEA is installed and `auto` resolved to a MoE backend that hides
                                      topk_ids: a backend that keeps them for this quantization.
-Installed only in scheduler / TP-worker processes started while OEA is enabled (the published
-config is present; the other processes that load plugins, such as the detokenizer, get none of
-them: sglang_oea.routing_scope):
+Installed only in scheduler / TP-worker processes started while OEA is installed (--oea-k0 given,
+0 included: the published config is present; the other processes that load plugins, such as the
+detokenizer, get none of them: sglang_oea.routing_scope):
   topk._post_process_topk_ids          BEFORE  rewrites logical topk ids and weights (decode and the
                                                target's verify passes only); never traced by
                                                torch.compile, and routes with SGLang's symmetric-
@@ -31,7 +35,16 @@ them: sglang_oea.routing_scope):
                                                decode- or verify-graph replay.
   DecodeCudaGraphRunner.capture        AROUND  mark the draft model's graph captures and forward
   ModelRunner.forward                  AROUND  passes (its runner's is_draft_worker): OEA neither
-                                               routes nor counts them.
+                                               routes nor counts them. Around a capture, the
+                                               runtime also knows the runner's buckets.
+  SchedulerInternalStateController (live settings: sglang_oea.live_settings)
+    ._update_handlers                  AFTER   POST /set_internal_state takes oea_k0, oea_min_batch and
+                                               oea_max_batch: validated, then requested from the runtime
+    .set_internal_state                AROUND  the handlers see the whole request (checks across keys)
+    .get_internal_state                AFTER   /server_info's internal_states[i]["oea"]
+Installed only in scheduler processes started while OEA is not installed (no --oea-k0):
+  SchedulerInternalStateController._update_handlers  AFTER  refuses the oea_* keys with a message
+                                               that says how to arm OEA; nothing else is hooked.
 The per-process runtime is created at the first forward pass (CUDA-graph warm-ups run inside
 Scheduler.__init__, before its AFTER hook). Every hook is verified after it is applied; one that
 did not land stops startup with the name of the SGLang function.
@@ -45,7 +58,7 @@ import pkgutil
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional, Tuple
 
-from sglang_oea import flags, routing_scope, startup_checks
+from sglang_oea import flags, live_settings, routing_scope, startup_checks
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
 from sglang_oea.rank_check import RankCheck
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime, graph_capture_active
@@ -69,6 +82,12 @@ MOE_RESOLUTION_STEP = "handle_moe_kernel_config"
 CLI_TARGETS = (f"{SERVER_ARGS}.add_cli_args", f"{SERVER_ARGS}.from_cli_args", RESOLVE, ENGINE_INIT)
 ROUTING_TARGETS = (TOPK_POST, FORWARD_CONTEXT, SCHEDULER_INIT, DECODE_STATS, GRAPH_EXECUTE, GRAPH_CAPTURE,
                    MODEL_FORWARD, MODEL_INITIALIZE)
+INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+UPDATE_HANDLERS = f"{INTERNAL_STATE}._update_handlers"
+SET_STATE = f"{INTERNAL_STATE}.set_internal_state"
+GET_STATE = f"{INTERNAL_STATE}.get_internal_state"
+CONTROL_TARGETS = (UPDATE_HANDLERS, SET_STATE, GET_STATE)  # OEA installed: the live settings
+REFUSAL_TARGETS = (UPDATE_HANDLERS,)  # OEA not installed: their refusal
 
 _runtime: Optional[OEARuntime] = None
 _topk_signature: Optional[inspect.Signature] = None
@@ -95,19 +114,21 @@ def published_config() -> Optional[OEAConfig]:
     return OEAConfig(**json.loads(text)) if text else None
 
 
-def _load_hf_config(model_path: str, trust_remote_code: bool) -> Callable[[], Any]:
+def hf_config_loader(get: Callable[[str, Any], Any]) -> Callable[[], Any]:
+    """The model's Hugging Face config, loaded lazily as SGLang loads it: the same path, revision
+    (--revision: a branch, tag or commit of a hub model) and remote-code setting."""
     def load():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(get("model_path", None), trust_remote_code=bool(get("trust_remote_code", False)),
+                                          revision=get("revision", None))
 
     return load
 
 
 def validate_for_server(cfg: OEAConfig, get: Callable[[str, Any], Any]) -> None:
     """Run every startup check that needs only the raw settings. Raises ValueError."""
-    loader = _load_hf_config(get("model_path", None), bool(get("trust_remote_code", False)))
-    flags.validate_server(cfg, get, loader)
+    flags.validate_server(cfg, get, hf_config_loader(get))
 
 
 def backend_fallback_pass(view: Any) -> dict:
@@ -129,7 +150,7 @@ def backend_fallback_pass(view: Any) -> dict:
 
 
 def moe_kernel_config_step(server_args: Any, previous: Callable[[Any], None]) -> None:
-    """SGLang's MoE kernel resolution step, then OEA's backend fallback when OEA is on."""
+    """SGLang's MoE kernel resolution step, then OEA's backend fallback when OEA is installed."""
     previous(server_args)
     cfg = published_config()
     if cfg is not None and cfg.enabled:
@@ -184,20 +205,49 @@ def from_cli_args_hook(original: Callable, cls: type, args: Any) -> Any:
     return server_args
 
 
-def engine_init_hook(original: Callable, self: Any, **kwargs: Any) -> Any:
+def engine_config(kwargs: dict, read: Callable[[str, Any], Any]) -> OEAConfig:
+    """The OEA config of sglang.Engine(**kwargs), its oea_* keywords taken out of kwargs and checked
+    (`read(name, default)` reads the other settings). Raises ValueError."""
     unknown = sorted(key for key in kwargs if key.startswith("oea_") and key not in ENGINE_KEYWORDS)
     if unknown:
         raise ValueError(f"sglang.Engine: unknown OEA keyword(s) {', '.join(unknown)}; allowed: {', '.join(ENGINE_KEYWORDS)}")
-    values = {key: kwargs.pop(key) for key in ENGINE_KEYWORDS if key in kwargs}
+    cfg = build_config({key: kwargs.pop(key) for key in ENGINE_KEYWORDS if key in kwargs})
+    validate_for_server(cfg, read)
+    return cfg
+
+
+def engine_server_args(**kwargs: Any) -> Any:
+    """Engine.server_args_class, through which sglang.Engine(**kwargs) builds its ServerArgs right
+    after its own load_plugins() (an Engine.__init__ hook lands too late for a process's first
+    Engine): the oea_* keywords checked and published, the others to ServerArgs."""
+    from sglang.srt.server_args import ServerArgs
+
+    publish_config(engine_config(kwargs, kwargs.get))
+    return ServerArgs(**kwargs)
+
+
+ENGINE_RECORD = staticmethod(engine_server_args)
+
+
+def engine_init_hook(original: Callable, self: Any, **kwargs: Any) -> Any:
+    """sglang.Engine(server_args=record): publish the record's OEA config (keywords alone go
+    through engine_server_args)."""
     record = kwargs.get("server_args")
-    if record is not None and getattr(record, "_oea", None):
-        cfg = OEAConfig(**record._oea)
-    else:
-        cfg = build_config(values)
-        read = kwargs.get if record is None else (lambda name, default: getattr(record, name, default))
-        validate_for_server(cfg, read)
-    publish_config(cfg)
+    if record is not None:
+        read = lambda name, default: getattr(record, name, default)  # noqa: E731
+        publish_config(OEAConfig(**record._oea) if getattr(record, "_oea", None) else engine_config(kwargs, read))
     return original(self, **kwargs)
+
+
+def install_engine_record() -> None:
+    """Point sglang.Engine's record class (its server_args_class, meant to be swapped) at
+    engine_server_args; idempotent, verified."""
+    from sglang.srt.entrypoints import engine
+
+    if engine.Engine.__dict__.get("server_args_class") is not ENGINE_RECORD:
+        engine.Engine.server_args_class = ENGINE_RECORD
+    if engine.Engine.__dict__.get("server_args_class") is not ENGINE_RECORD:
+        logger.error("sglang-oea: could not set sglang.Engine.server_args_class; the oea_* Engine keywords are unavailable.")
 
 
 # ----------------------------------------------------------------------------- routing hooks
@@ -242,11 +292,18 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     cfg = runtime.cfg
     shape = read_moe_shape(scheduler.model_config.hf_config)
     model = shape.describe() if shape else "no routed experts"
-    state = "no-op (k0 >= top-k)" if shape and cfg.k0 >= shape.top_k else "on"
-    logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s%s", runtime.rank, state, cfg.describe(), model,
-                runtime.routers.describe(), speculative_note(cfg, scheduler.server_args.speculative_algorithm))
+    logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s%s", runtime.rank, startup_state(cfg.k0, shape), cfg.describe(), model,
+                runtime.routers.describe(), speculative_note(cfg, scheduler.server_args.speculative_algorithm,
+                                                             scheduler.server_args.speculative_num_draft_tokens))
     attach_rank_check(runtime)
     metrics.attach(runtime, scheduler)
+
+
+def startup_state(k0: int, shape: Any) -> str:
+    """The startup line's word on whether OEA routes (shape: the model's MoEShape, or None)."""
+    if k0 == 0:
+        return 'armed, off (k0=0) until POST /set_internal_state {"server_args": {"oea_k0": K0}} turns it on'
+    return "no-op (k0 >= top-k)" if shape and k0 >= shape.top_k else "on"
 
 
 def attach_rank_check(runtime: OEARuntime) -> None:
@@ -259,13 +316,20 @@ def attach_rank_check(runtime: OEARuntime) -> None:
         runtime.rank_check = RankCheck(runtime.cfg.check_ranks, group.cpu_group, group.world_size)
 
 
-def speculative_note(cfg: OEAConfig, algorithm: Any) -> str:
-    """The startup line's word on speculative decoding ('' without it)."""
+def speculative_note(cfg: OEAConfig, algorithm: Any, draft_tokens: Optional[int] = None) -> str:
+    """The startup line's word on speculative decoding ('' without it). draft_tokens: SGLang's
+    --speculative-num-draft-tokens (the verify rows per request), when known."""
     if not algorithm:
         return ""
-    if cfg.verify:
-        return f"; speculative {algorithm}: verify passes routed (rows = requests x draft tokens)"
-    return f"; speculative {algorithm}: verify passes not routed (--oea-verify off), so OEA applies nowhere"
+    if not cfg.verify:
+        return f"; speculative {algorithm}: verify passes not routed (--oea-verify off), so OEA applies nowhere"
+    note = f"; speculative {algorithm}: verify passes routed (rows = requests x draft tokens)"
+    if draft_tokens and cfg.max_batch:
+        note += f", at most {cfg.max_batch // draft_tokens} requests of {draft_tokens} draft tokens under the cap"
+        if cfg.max_batch < cfg.min_batch * draft_tokens:
+            note += (f"; so OEA applies in no verify pass: --oea-max-batch {cfg.max_batch} rows is below "
+                     f"--oea-min-batch {cfg.min_batch} requests x {draft_tokens} draft tokens")
+    return note
 
 
 def forward_mode_of(forward_batch: Any) -> str:
@@ -377,9 +441,19 @@ def model_forward_hook(original: Callable, model_runner: Any, *args: Any, **kwar
 
 def graph_capture_hook(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """Graph captures: a draft runner's captures must not stand for the target's graphs of the
-    same bucket in the accounting."""
-    with _runner_scope(runner.model_runner):
-        return original(runner, *args, **kwargs)
+    same bucket in the accounting; the runtime learns the runner's buckets (a bucket serves the
+    batches above the next smaller one), so that it leaves routing out of buckets whose every
+    batch is outside the gate."""
+    runtime = ensure_runtime()
+    previous = None if runtime is None else runtime.graph_buckets
+    if runtime is not None:
+        runtime.graph_buckets = tuple(sorted(int(bs) for bs in runner.capture_bs))
+    try:
+        with _runner_scope(runner.model_runner):
+            return original(runner, *args, **kwargs)
+    finally:
+        if runtime is not None:
+            runtime.graph_buckets = previous
 
 
 def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
@@ -402,6 +476,25 @@ def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
         from sglang_oea import metrics
 
         metrics.report(_runtime, snapshot)
+
+
+# ----------------------------------------------------------------------------- live settings
+
+
+def update_handlers_hook(handlers: dict, controller: Any, *args: Any, **kwargs: Any) -> None:
+    """SGLang's /set_internal_state handlers, plus the OEA keys' (refusing ones without OEA)."""
+    handlers.update(live_settings.handlers(ensure_runtime()))
+
+
+def set_internal_state_hook(original: Callable, controller: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    with live_settings.whole_request(request.server_args):
+        return original(controller, request, *args, **kwargs)
+
+
+def get_internal_state_hook(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
+    runtime = ensure_runtime()
+    if runtime is not None:
+        result.internal_state["oea"] = live_settings.state_of(runtime)
 
 
 # ----------------------------------------------------------------------------- install / verify
@@ -432,9 +525,17 @@ def missing_hooks(targets: Tuple[str, ...]) -> List[str]:
     return missing
 
 
+def require_hooks(targets: Tuple[str, ...]) -> None:
+    """Stop the process when a patch did not land. SystemExit, not an Exception: SGLang's plugin
+    loader logs and swallows exceptions."""
+    missing = missing_hooks(targets)
+    if missing:
+        raise SystemExit(f"sglang-oea: error: could not hook SGLang's {missing[0]}; OEA needs an sglang 0.5.23 build")
+
+
 def install() -> None:
-    """Plugin entry: CLI hooks always; routing hooks in a scheduler process whose published config
-    enables OEA."""
+    """Plugin entry: CLI hooks always; in a scheduler process, the routing and live-settings hooks
+    when the published config installs OEA, else only the live settings' refusal."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS, register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -446,11 +547,24 @@ def install() -> None:
     ])
     if moe_kernel_config_step not in _HOOKS.get(MOE_RESOLUTION_STEP, []):
         register_resolution_hook(MOE_RESOLUTION_STEP)(moe_kernel_config_step)
+    install_engine_record()
     for target in missing_hooks(CLI_TARGETS):
         logger.error("sglang-oea: could not hook SGLang's %s; the --oea-* flags are unavailable.", target)
+    if not routing_scope.loading_in_scheduler_process():
+        return
     cfg = published_config()
-    if cfg is not None and cfg.enabled and routing_scope.loading_in_scheduler_process():
+    if cfg is not None and cfg.enabled:
         install_routing()
+    else:
+        install_refusal()
+
+
+def install_refusal() -> None:
+    """A scheduler without OEA: only the refusal of the live settings' keys."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    _register([(UPDATE_HANDLERS, update_handlers_hook, HookType.AFTER)])
+    require_hooks(REFUSAL_TARGETS)
 
 
 def install_routing() -> None:
@@ -466,11 +580,11 @@ def install_routing() -> None:
         (GRAPH_CAPTURE, graph_capture_hook, HookType.AROUND),
         (MODEL_FORWARD, model_forward_hook, HookType.AROUND),
         (MODEL_INITIALIZE, model_built_hook, HookType.AFTER),
+        (UPDATE_HANDLERS, update_handlers_hook, HookType.AFTER),
+        (SET_STATE, set_internal_state_hook, HookType.AROUND),
+        (GET_STATE, get_internal_state_hook, HookType.AFTER),
     ])
-    missing = missing_hooks(ROUTING_TARGETS)
-    if missing:
-        # SystemExit, not an Exception: SGLang's plugin loader logs and swallows exceptions.
-        raise SystemExit(f"sglang-oea: error: could not hook SGLang's {missing[0]}; OEA needs sglang==0.5.23")
+    require_hooks(ROUTING_TARGETS + CONTROL_TARGETS)
     from sglang.srt.layers.moe import topk
 
     _topk_signature = inspect.signature(topk._post_process_topk_ids.__wrapped__)

@@ -6,28 +6,40 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_active_experts_before{model_name,tp_rank,layer}  distinct experts/step, router's own
     sglang:oea_active_experts_after{model_name,tp_rank,layer}   distinct experts/step, after OEA
     sglang:oea_active_experts_ratio{model_name,tp_rank}         after / before, all layers
-    sglang:oea_decode_steps_applied_total{model_name,tp_rank,mode}          mode: decode or verify
-    sglang:oea_decode_steps_skipped_total{model_name,tp_rank,mode,reason}   mode: decode, verify or other
-    sglang:oea_k0{model_name,tp_rank}
+    sglang:oea_decode_steps_applied_total{model_name,tp_rank,mode,k0}          mode: decode or verify
+    sglang:oea_decode_steps_skipped_total{model_name,tp_rank,mode,reason,k0}   mode: decode, verify or other
+    sglang:oea_k0{model_name,tp_rank}          the live settings in force (sglang_oea.live_settings)
+    sglang:oea_min_batch{model_name,tp_rank}
+    sglang:oea_max_batch{model_name,tp_rank}   0 = no cap
     sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
     sglang:oea_rank_checks_total{model_name,tp_rank}   passed --oea-check-ranks comparisons
 Expert counts are averaged over the steps (decode or verify) where OEA applied between two counter
 snapshots (sglang_oea.counters): each report covers the routed passes up to the second-newest one.
+The step counters' k0 label is the k0 each step ran with (the settings can change while the server
+runs); the settings gauges are set at each report.
 """
 
 import logging
 from typing import Any, Dict, Optional
 
+from sglang_oea.config import LiveSettings
 from sglang_oea.counters import Snapshot, stats_between
 from sglang_oea.runtime import DECODE, ROUTED_MODES, VERIFY, OEARuntime
 
 logger = logging.getLogger("sglang_oea")
 
+# The live settings in force: LiveSettings field -> the gauge's help (sglang:oea_<field>).
+SETTING_GAUGES = (
+    ("k0", "The k0 in force (0 = OEA off)"),
+    ("min_batch", "The batch gate's floor in force, in requests"),
+    ("max_batch", "The batch gate's cap in force, in routed token rows (0 = no cap)"),
+)
+
 
 class PrometheusExport:
     """The OEA metrics of one rank, and the counter values already exported."""
 
-    def __init__(self, model_name: str, rank: int, k0: int, speculative: bool = False):
+    def __init__(self, model_name: str, rank: int, settings: LiveSettings, speculative: bool = False):
         from prometheus_client import Counter, Gauge
 
         labels = {"model_name": model_name, "tp_rank": str(rank)}
@@ -36,20 +48,21 @@ class PrometheusExport:
         self.before = Gauge("sglang:oea_active_experts_before", "Distinct experts per MoE layer per decode or verify step, router's own choice", names + ["layer"], multiprocess_mode="mostrecent")
         self.after = Gauge("sglang:oea_active_experts_after", "Distinct experts per MoE layer per decode or verify step, after OEA", names + ["layer"], multiprocess_mode="mostrecent")
         self.ratio = Gauge("sglang:oea_active_experts_ratio", "Distinct experts after OEA / before, all MoE layers", names, multiprocess_mode="mostrecent")
-        self.applied = Counter("sglang:oea_decode_steps_applied", "Decode and verify steps routed with OEA",
-                               names + ["mode"])
-        self.skipped = Counter("sglang:oea_decode_steps_skipped", "Forward steps where OEA did not apply",
-                               names + ["mode", "reason"])
+        self.applied = Counter("sglang:oea_decode_steps_applied", "Decode and verify steps routed with OEA, by the "
+                               "k0 they ran with", names + ["mode", "k0"])
+        self.skipped = Counter("sglang:oea_decode_steps_skipped", "Forward steps where OEA did not apply, by the k0 "
+                               "in force", names + ["mode", "reason", "k0"])
         # The routed mode this server runs is exported from the start, at 0 (the target model
         # decodes in verify passes under speculative decoding).
-        self.applied.labels(**labels, mode=VERIFY if speculative else DECODE)
-        k0_gauge = Gauge("sglang:oea_k0", "The k0 in force", names, multiprocess_mode="mostrecent")
-        k0_gauge.labels(**labels).set(k0)
+        self.applied.labels(**labels, mode=VERIFY if speculative else DECODE, k0=str(settings.k0))
+        self.settings = {field: Gauge(f"sglang:oea_{field}", doc, names, multiprocess_mode="mostrecent")
+                         for field, doc in SETTING_GAUGES}
+        self.publish_settings(settings)
         self.kernel = Gauge("sglang:oea_kernel_info", "MoE routing shapes per routing implementation and kernel "
                             "self-check result", names + ["kernel", "self_check"], multiprocess_mode="mostrecent")
         self.rank_checks = Counter("sglang:oea_rank_checks", "Passed --oea-check-ranks comparisons", names)
         self.exported_checks = 0
-        self.exported: Dict[tuple, int] = {}  # (mode,) or (mode, reason) -> count already exported
+        self.exported: Dict[tuple, int] = {}  # (mode, k0) or (mode, k0, reason) -> count already exported
 
     def publish(self, runtime: OEARuntime, layers: Optional[Any]) -> None:
         if layers is not None:
@@ -57,15 +70,21 @@ class PrometheusExport:
                 self.before.labels(**self.labels, layer=str(layer)).set(before / steps)
                 self.after.labels(**self.labels, layer=str(layer)).set(after / steps)
             self.ratio.labels(**self.labels).set(float(layers[:, 2].sum() / layers[:, 1].sum()))
-        for mode, count in runtime.applied.items():
-            self.applied.labels(**self.labels, mode=mode).inc(self.new_counts((mode,), count))
-        for (mode, reason), count in runtime.skipped.items():
-            self.skipped.labels(**self.labels, mode=mode, reason=reason).inc(self.new_counts((mode, reason), count))
+        for (mode, k0), count in runtime.applied_by_k0.items():
+            self.applied.labels(**self.labels, mode=mode, k0=str(k0)).inc(self.new_counts((mode, k0), count))
+        for (mode, k0, reason), count in runtime.skipped_by_k0.items():
+            self.skipped.labels(**self.labels, mode=mode, reason=reason, k0=str(k0)).inc(
+                self.new_counts((mode, k0, reason), count))
+        self.publish_settings(runtime.settings)
         if runtime.rank_check is not None:
             self.rank_checks.labels(**self.labels).inc(runtime.rank_check.checks - self.exported_checks)
             self.exported_checks = runtime.rank_check.checks
         for (kernel, result), shapes in runtime.routers.status().items():
             self.kernel.labels(**self.labels, kernel=kernel, self_check=result).set(shapes)
+
+    def publish_settings(self, settings: LiveSettings) -> None:
+        for field, gauge in self.settings.items():
+            gauge.labels(**self.labels).set(getattr(settings, field))
 
     def new_counts(self, key: tuple, count: int) -> int:
         """How much of a runtime counter is not exported yet (and mark it exported)."""
@@ -94,19 +113,27 @@ def attach(runtime: OEARuntime, scheduler: Any) -> None:
     if not getattr(server_args, "enable_metrics", False):
         return
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    _export = PrometheusExport(str(name), runtime.rank, runtime.cfg.k0, runtime.speculative)
+    _export = PrometheusExport(str(name), runtime.rank, runtime.settings, runtime.speculative)
 
 
 def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:
-    """The short OEA summary appended to SGLang's 'Decode batch' line: applied/counted steps per
-    routed mode seen (decode; verify under speculative decoding)."""
-    counts = [f"{runtime.applied[mode]}/{runtime.steps_of(mode)} {mode} steps"
-              for mode in ROUTED_MODES if runtime.steps_of(mode)] or [f"0/0 {DECODE} steps"]
-    text = f"OEA k0={runtime.cfg.k0}: applied {', '.join(counts)}"
+    """The short OEA summary appended to SGLang's 'Decode batch' line: the k0 in force, and per
+    routed mode seen (decode; verify under speculative decoding) the steps that ran with it:
+    applied / counted."""
+    k0 = runtime.settings.k0
+    counts = [f"{runtime.applied_by_k0[(mode, k0)]}/{steps} {mode} steps"
+              for mode in ROUTED_MODES if (steps := steps_with(runtime, mode, k0))] or [f"0/0 {DECODE} steps"]
+    text = f"OEA k0={k0}{' (off)' if k0 == 0 else ''}: applied {', '.join(counts)}"
     if layers is None:
         return text
     steps, before, after = (float(v) for v in layers[:, :3].sum(dim=0))
     return f"{text}, experts/layer/step {before / steps:.1f} -> {after / steps:.1f} ({after / before:.2f}x)"
+
+
+def steps_with(runtime: OEARuntime, mode: str, k0: int) -> int:
+    """Counted steps (applied or skipped) of one pass mode that ran with `k0`."""
+    skipped = sum(count for (m, k, _), count in runtime.skipped_by_k0.items() if (m, k) == (mode, k0))
+    return runtime.applied_by_k0[(mode, k0)] + skipped
 
 
 class DecodeLineSummary(logging.Filter):

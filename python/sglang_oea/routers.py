@@ -4,10 +4,14 @@ TorchRouter runs sglang_oea.routing (the CPU path, and --oea-kernel torch). Trit
 workspace per MoE layer and id/weight dtypes; it keeps the promises CUDA-graph capture needs:
   - the row count is always a device scalar, so eager warm-ups and capture launch one variant;
   - every variant a capture launches was launched before, outside capture (else GraphCaptureError);
-  - a workspace is allocated outside capture, sized at its first call, and never freed or replaced
-    (captured graphs point at it); larger eager batches get a separate overflow workspace. One layer
-    may route ids of two dtypes (the int64 ids of a torch.compile bucket's native top-k, the int32
-    ids of every other call): each (slot, ids dtype, weights dtype) has its own workspace.
+  - a workspace is allocated outside capture and never freed or replaced: any graph may have
+    captured it (SGLang captures several runners one after another: adaptive speculative decoding
+    builds a verify runner per step count, each wider than the last). A call wider than every
+    workspace of its key adds a larger one (at least twice the largest), so a key holds a few
+    workspaces of growing capacity for the life of the process, and each call uses the smallest
+    that fits. One layer may route ids of two dtypes (the int64 ids of a torch.compile bucket's
+    native top-k, the int32 ids of every other call): each (slot, ids dtype, weights dtype) has its
+    own workspaces.
 
 RouterChoice applies --oea-kernel once per routing shape, and every tensor-parallel rank makes the
 same choice (its `agree` is a MIN over the ranks' verdicts; TP sums partial outputs of the experts
@@ -21,12 +25,12 @@ each rank chose, so ranks that routed differently would be silently wrong):
 """
 
 import logging
-from typing import Callable, Dict, Optional, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
-from sglang_oea.routing import RouterSpec, route_from_logits
-from sglang_oea.self_check import RoutingShape, run_self_check, spec_key
+from sglang_oea.routing import RouterSpec, control_values, route_from_logits
+from sglang_oea.self_check import RoutingShape, run_self_check, spec_key, trial_k0
 
 logger = logging.getLogger("sglang_oea")
 
@@ -97,19 +101,25 @@ class KernelSelfCheckError(RuntimeError):
 
 
 def launch_kernel(logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int, rows: RowCount,
-                  min_batch: int, max_batch: int, workspace, stats=None, before_launch=None, checksum=None):
+                  min_batch: int, max_batch: int, workspace, stats=None, before_launch=None, checksum=None,
+                  control: Optional[torch.Tensor] = None, rows_per_request: int = 1):
     """kernels.oea_route with the router's scoring unpacked from its RouterSpec.
 
     stats: None or a [3] int64 device tensor, checksum: None or a [1] int64 device tensor, that the
     kernel adds this call's distinct-expert counts and its output ids' rank-check checksum into.
+    control: None, or the device control block int32 [3] (k0, min_batch, max_batch) that the kernel
+    reads instead of k0, min_batch and max_batch (the host's copy of the same values), with the
+    floor scaled by rows_per_request.
     """
     from sglang_oea import kernels
 
+    gate = dict(k0=k0, min_batch=min_batch, max_batch=max_batch) if control is None else dict(
+        control=control, rows_per_request=rows_per_request)
     return kernels.oea_route(
-        logits, ids, weights, k0=k0, num_routed=num_routed, scoring_func=spec.scoring_func,
+        logits, ids, weights, num_routed=num_routed, scoring_func=spec.scoring_func,
         correction_bias=spec.correction_bias, num_groups=spec.num_groups, restrict_groups=spec.restrict_groups,
-        num_valid_rows=rows, min_batch=min_batch, max_batch=max_batch, workspace=workspace, stats=stats,
-        checksum=checksum, before_launch=before_launch,
+        num_valid_rows=rows, workspace=workspace, stats=stats, checksum=checksum, before_launch=before_launch,
+        **gate,
     )
 
 
@@ -119,11 +129,15 @@ class TorchRouter:
     name = TORCH
 
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
-                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None):
+                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None,
+                 control: Optional[torch.Tensor] = None, rows_per_request: int = 1):
         """(ids [B, C], weights [B, C], counted): counted is always False: stats and checksum are left
-        untouched, for the runtime to add with reference ops."""
+        untouched, for the runtime to add with reference ops. control: as launch_kernel's (k0 and
+        the bounds read on the device: routing.control_values)."""
         shared = num_routed < ids.shape[1]
         routed_ids, routed_weights = (ids[:, :num_routed], weights[:, :num_routed]) if shared else (ids, weights)
+        if control is not None:
+            k0, min_batch, max_batch = control_values(control, rows_per_request)
         new_ids, new_weights = route_from_logits(logits, routed_ids, routed_weights, spec, k0, rows, min_batch, max_batch)
         new_ids = new_ids.to(ids.dtype)  # SGLang's MoE runners take the router's id dtype (int32)
         if not shared:
@@ -139,32 +153,31 @@ class TritonRouter:
     MIN_WORKSPACE_ROWS = 1024
 
     def __init__(self):
-        # (slot, ids dtype, weights dtype) -> its workspace, fixed once made; and an eager-only one
-        # for larger batches.
-        self.workspaces: Dict[WorkspaceKey, object] = {}
-        self.overflow: Dict[WorkspaceKey, object] = {}
+        # (slot, ids dtype, weights dtype) -> its workspaces, by growing capacity; kept for the
+        # process (a captured graph may point at any of them).
+        self.workspaces: Dict[WorkspaceKey, List[object]] = {}
         self.prepared: Set[tuple] = set()  # kernel variants launched by graph warm-ups
 
     def workspace(self, slot: int, logits, ids, weights, capturing: bool):
-        """The workspace for this call; allocates only outside capture (GraphCaptureError else)."""
+        """The smallest workspace of this call's key with room for its rows; adds a larger one only
+        outside capture (GraphCaptureError else) and never frees or replaces one."""
         from sglang_oea.kernels import OEAWorkspace
 
         rows, key = logits.shape[0], (slot, ids.dtype, weights.dtype)
-        for table in (self.workspaces, self.overflow):
-            ws = table.get(key)
-            if ws is not None and ws.max_rows >= rows:
+        held = self.workspaces.get(key, [])
+        for ws in held:  # ascending capacity
+            if ws.max_rows >= rows:
                 return ws
         if capturing:
             raise GraphCaptureError(
                 f"sglang-oea: a MoE layer would allocate its routing workspace ({rows} rows, ids {ids.dtype}, "
                 f"weights {weights.dtype}) inside CUDA-graph capture; it must be allocated by an eager call first"
             )
-        # The first workspace of a key is the one graphs capture: never replace it.
-        table = self.overflow if key in self.workspaces else self.workspaces
-        table[key] = OEAWorkspace.allocate(
-            logits.shape[1], ids.shape[1], max(rows, self.MIN_WORKSPACE_ROWS), ids.dtype, weights.dtype, logits.device
-        )
-        return table[key]
+        # Doubling keeps a key's workspaces few, and their total size under twice the largest one.
+        capacity = max(rows, self.MIN_WORKSPACE_ROWS, 2 * held[-1].max_rows if held else 0)
+        ws = OEAWorkspace.allocate(logits.shape[1], ids.shape[1], capacity, ids.dtype, weights.dtype, logits.device)
+        self.workspaces[key] = held + [ws]
+        return ws
 
     def variant_guard(self, capturing: bool):
         """before_launch callback: record variants outside capture, refuse unseen ones inside it."""
@@ -180,17 +193,18 @@ class TritonRouter:
         return guard
 
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
-                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None):
+                 rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None,
+                 control: Optional[torch.Tensor] = None, rows_per_request: int = 1):
         """(ids [B, C], weights [B, C], counted): views of the layer's workspace; counted is always
         True: the kernel itself added this call's distinct-expert counts to `stats` and its ids'
         checksum to `checksum` (each when given), so the runtime adds neither. Warm-up calls record
         the variants they launch; capture calls may launch only those (no check eagerly: it costs
-        host time on every call)."""
+        host time on every call). control: as launch_kernel's."""
         capturing = phase == CAPTURE
         ws = self.workspace(slot, logits, ids, weights, capturing)
         guard = None if phase == EAGER else self.variant_guard(capturing)
         new_ids, new_weights = launch_kernel(logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch,
-                                             ws, stats, guard, checksum)
+                                             ws, stats, guard, checksum, control, rows_per_request)
         return new_ids, new_weights, True
 
 
@@ -205,7 +219,8 @@ class RouterChoice:
 
     Args:
         kernel: --oea-kernel ("auto", "triton" or "torch").
-        k0: --oea-k0, for the self-check.
+        k0: the startup --oea-k0 (0 = armed but off), for the self-check: it runs with this k0 where
+            it exercises the kernel (1 <= k0 < top-k), else with top-k // 2 (self_check.trial_k0).
         rank: this tensor-parallel rank (log lines).
         agree: `agree(passed_here) -> bool`, True iff every tensor-parallel rank passed (a MIN
             all-reduce over the TP CPU group); called exactly once per routing shape by every
@@ -288,7 +303,8 @@ class RouterChoice:
         """This rank's verdict alone: (PASSED, None), or (FAILED or UNAVAILABLE, why)."""
         if not self.kernel_available(device):
             return UNAVAILABLE, f"the fused kernel cannot run on {device} (is Triton installed?)"
-        error = run_self_check(self.kernel_trial(spec, shape.num_routed), shape, spec, self.k0, device)
+        k0 = trial_k0(self.k0, shape.num_routed)
+        error = run_self_check(self.kernel_trial(spec, shape.num_routed, k0), shape, spec, k0, device)
         return (PASSED, None) if error is None else (FAILED, error)
 
     def agree_all(self, passed_here: bool) -> bool:
@@ -311,15 +327,20 @@ class RouterChoice:
             "versions).", self.rank, what, shape.describe(), error, low, high, *GRAPH_LAUNCH_US)
         return result
 
-    def kernel_trial(self, spec: RouterSpec, num_routed: int):
-        """The kernel launched as TritonRouter launches it, on a scratch workspace per trial."""
+    def kernel_trial(self, spec: RouterSpec, num_routed: int, k0: Optional[int] = None):
+        """The kernel launched as TritonRouter launches it (settings read from a device control
+        block holding k0, min_batch 1, max_batch 0: those the torch path is compared under), on a
+        scratch workspace per trial. k0: default trial_k0 of the startup k0."""
         from sglang_oea import kernels
+
+        k0 = trial_k0(self.k0, num_routed) if k0 is None else k0
 
         def route(logits, ids, weights, rows, stats, checksum):
             ws = kernels.OEAWorkspace.allocate(logits.shape[1], ids.shape[1], logits.shape[0], ids.dtype,
                                                weights.dtype, logits.device)
-            return launch_kernel(logits, ids, weights, spec, self.k0, num_routed, rows, 1, 0, ws, stats,
-                                 checksum=checksum)
+            control = torch.tensor([k0, 1, 0], dtype=torch.int32).to(logits.device)
+            return launch_kernel(logits, ids, weights, spec, k0, num_routed, rows, 1, 0, ws, stats,
+                                 checksum=checksum, control=control)
         return route
 
     def status(self) -> Dict[Tuple[str, str], int]:

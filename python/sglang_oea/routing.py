@@ -13,8 +13,8 @@ logits. One consequence: an expert whose logit is -inf has selection -inf and is
 piggyback candidate (reference: "-inf = never piggyback"); its probability is 0 anyway.
 The fused kernel (sglang_oea.kernels.oea_route) computes the same selection bits as torch on
 CUDA: the logit itself, or 1 / (1 + exp(-x)) with CUDA's accurate expf and an IEEE division
-(torch.sigmoid's own formula), then one float32 add of the bias; benchmark/oea/gpu_cases.py
-check_score_bits verifies it on a GPU.
+(torch.sigmoid's own formula), then one float32 add of the bias; benchmark/oea/gpu/gpu_score_bits.py
+verifies it on a GPU.
 With grouped routing (topk_group < G), a row may only piggyback experts of the groups its own
 routed top-K lies in, a subset of the groups the router selected for it.
 
@@ -23,14 +23,27 @@ oracle for the fused kernel in sglang_oea.kernels. It returns bit for bit what `
 `mask_foreign_groups` and `reference.opportunistic_route` compute, in 21 to 39 torch ops instead
 of 63 to 75 (over 200 counting their sub-ops): like the kernel, it ranks experts by composite
 int64 keys (see `_score_keys`), so that one torch.topk over [B, N] replaces the stable sorts.
+
+Live settings. k0, min_batch and max_batch may be host ints or 0-d device tensors: the values of
+the device control block (CONTROL_FIELDS, `control_values`) that a captured CUDA graph reads at
+every replay, so that a setting changed between replays takes effect without recapture. A device
+k0 ranks all K routed columns and lifts those of rank < k0; the gate then also requires
+1 <= k0 < K (k0 = 0: OEA off; k0 >= K: a no-op), and is applied on the device. Results equal
+those of the int path for every k0 (for an int k0 outside [1, K) the router's own tensors come
+back without any op).
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
 from sglang_oea.reference import RowCount, batch_gate
+
+# A setting as routing reads it: a host int, or a 0-d / 1-element integer tensor on the device.
+Setting = Union[int, torch.Tensor]
+# The device control block of the live settings: int32 [3] in this order (the kernel reads it too).
+CONTROL_FIELDS = ("k0", "min_batch", "max_batch")
 
 # Key layout: order-preserving score bits (32, signed) above the 16 id bits; see _score_keys.
 _ID_BITS = 16
@@ -174,18 +187,55 @@ def _real_rows(num_rows: int, num_valid_rows: RowCount, device: torch.device) ->
     return rows < num_valid_rows
 
 
-def _host_gate(num_rows: int, num_valid_rows: RowCount, min_batch: int, max_batch: int) -> bool:
-    """False when the gate is closed whatever the device row count is (reference.batch_gate)."""
+def _host_gate(num_rows: int, num_valid_rows: RowCount, k0: Setting, k: int, min_batch: Setting,
+               max_batch: Setting) -> bool:
+    """False when the gate is closed whatever the device values are: an int k0 outside [1, K)
+    (0 = off, >= K = no-op), or the int bounds (reference.batch_gate) of a host row count."""
+    if not isinstance(k0, torch.Tensor) and not 1 <= k0 < k:
+        return False
+    if isinstance(min_batch, torch.Tensor) or isinstance(max_batch, torch.Tensor):
+        return True
     if isinstance(num_valid_rows, torch.Tensor):
         return not 0 < max_batch < min_batch
     return bool(batch_gate(num_rows if num_valid_rows is None else num_valid_rows, min_batch, max_batch))
 
 
 def _device_gate(num_valid_rows: torch.Tensor, min_batch: int, max_batch: int) -> torch.Tensor:
-    """reference.batch_gate for a device row count (0-d or [1] bool), in at most two ops."""
+    """reference.batch_gate for a device row count and int bounds (0-d or [1] bool), in at most two ops."""
     if max_batch == 0:
         return num_valid_rows >= min_batch
     return num_valid_rows.clamp(min_batch, max_batch) == num_valid_rows
+
+
+def _settings_gate(rows: Setting, k0: Setting, k: int, min_batch: Setting,
+                   max_batch: Setting) -> Optional[torch.Tensor]:
+    """The part of the gate that only the device can decide (0-d or [1] bool), or None when the host
+    gate decided it all: the batch gate where the row count or a bound is a device tensor, and
+    1 <= k0 < K for a device k0."""
+    gate = None
+    if isinstance(min_batch, torch.Tensor) or isinstance(max_batch, torch.Tensor):
+        gate = (rows >= min_batch) & ((max_batch == 0) | (rows <= max_batch))
+    elif isinstance(rows, torch.Tensor):
+        gate = _device_gate(rows, min_batch, max_batch)
+    if isinstance(k0, torch.Tensor):
+        in_range = (k0 >= 1) & (k0 < k)
+        gate = in_range if gate is None else gate & in_range
+    return gate
+
+
+def control_values(control: torch.Tensor, rows_per_request: int = 1) -> Tuple[torch.Tensor, ...]:
+    """(k0, min_rows, max_rows), 0-d device tensors, from the control block [k0, min_batch,
+    max_batch] (int32 [3]): the gate compares token rows, so min_rows = min_batch x rows_per_request
+    (1 in decode, the draft tokens per request in a verify pass)."""
+    k0, min_batch, max_batch = control[0], control[1], control[2]
+    return k0, (min_batch if rows_per_request == 1 else min_batch * rows_per_request), max_batch
+
+
+def control_gate(rows: Setting, control: torch.Tensor, k: int, rows_per_request: int = 1) -> torch.Tensor:
+    """0-d bool on the device: whether OEA applies to `rows` real token rows under the control
+    block (1 <= k0 < K and the batch gate), as route_from_logits and the fused kernel decide it."""
+    k0, min_rows, max_rows = control_values(control, rows_per_request)
+    return _settings_gate(rows, k0, k, min_rows, max_rows)
 
 
 def _own_groups(topk_ids: torch.Tensor, num_experts: int, num_groups: int,
@@ -203,13 +253,14 @@ def _own_groups(topk_ids: torch.Tensor, num_experts: int, num_groups: int,
     return touched.repeat_interleave(group_size, dim=1)
 
 
-def _lift_bases(keys: torch.Tensor, topk_ids: torch.Tensor, k0: int,
+def _lift_bases(keys: torch.Tensor, topk_ids: torch.Tensor, k0: Setting,
                 real: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Add _BASE_TIER to the keys of each real row's base; return them with U.
 
     base = the K0 best routed ids by key: the routed experts lie in the row's own groups, so
     their keys are unmasked and this is the reference's ranking. gather and scatter take the
-    router's int32 ids as they are (torch >= 2.8).
+    router's int32 ids as they are (torch >= 2.8). A device k0 (0-d tensor) ranks all K routed
+    ids and lifts those of rank < k0: the same keys, with shapes that do not depend on k0.
 
     Args:
         keys: [B, N] int64 from _score_keys, modified in place.
@@ -217,6 +268,8 @@ def _lift_bases(keys: torch.Tensor, topk_ids: torch.Tensor, k0: int,
     Returns:
         keys [B, N] int64 and in_union [N] bool.
     """
+    if isinstance(k0, torch.Tensor):
+        return _lift_ranked(keys, topk_ids, k0, real)
     best = keys.gather(1, topk_ids).topk(k0, dim=1)  # [B, K0] columns of topk_ids
     base = topk_ids.gather(1, best.indices)
     if real is None:
@@ -227,6 +280,20 @@ def _lift_bases(keys: torch.Tensor, topk_ids: torch.Tensor, k0: int,
         keys.scatter_(1, base, torch.add(best.values, real, alpha=_BASE_TIER))
     # Lifted keys exceed 2^48, all others stay below 2^47.
     return keys, keys.amax(dim=0) > _scalar(_BASE_TIER // 2, torch.int64, keys.device)
+
+
+def _lift_ranked(keys: torch.Tensor, topk_ids: torch.Tensor, k0: torch.Tensor,
+                 real: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """_lift_bases for a device k0: every routed id ranked by key, the first k0 lifted (a padded
+    row writes its own keys back unlifted)."""
+    k, device = topk_ids.shape[1], keys.device
+    ranked = keys.gather(1, topk_ids).topk(k, dim=1)  # [B, K] columns of topk_ids, best first
+    ranks = _constant(("ranks", k), device, lambda: torch.arange(k, device=device))
+    lift = ranks < k0  # [K] bool
+    if real is not None:
+        lift = lift & real  # [B, K]
+    keys.scatter_(1, topk_ids.gather(1, ranked.indices), torch.add(ranked.values, lift, alpha=_BASE_TIER))
+    return keys, keys.amax(dim=0) > _scalar(_BASE_TIER // 2, torch.int64, device)
 
 
 def _slot_order(keys: torch.Tensor, in_union: torch.Tensor, k: int):
@@ -301,29 +368,32 @@ def route_from_logits(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     spec: RouterSpec,
-    k0: int,
+    k0: Setting,
     num_valid_rows: RowCount = None,
-    min_batch: int = 1,
-    max_batch: int = 0,
+    min_batch: Setting = 1,
+    max_batch: Setting = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gated OEA over routed columns, starting from the router's logits.
 
-    Fixed shapes and no host sync: it runs inside CUDA graphs with a device row count. Scores
-    must not be NaN (the reference's order is not defined for them either).
+    Fixed shapes and no host sync: it runs inside CUDA graphs with a device row count and device
+    settings. Scores must not be NaN (the reference's order is not defined for them either).
 
     Args:
         router_logits: [B, N] raw logits, N <= 2^16 (an id takes the low 16 bits of a key).
         topk_ids: [B, K] int32/int64 routed ids (no shared-expert columns), any order.
         topk_weights: [B, K] the router's weights for them.
         spec: the router's scoring.
-        k0, num_valid_rows, min_batch, max_batch: see reference.opportunistic_route.
+        k0, num_valid_rows, min_batch, max_batch: see reference.opportunistic_route; k0 = 0 is
+            OEA off. k0, min_batch and max_batch may each be an int or a 0-d integer device tensor
+            (see the module docstring: `control_values` reads them from the control block).
     Returns:
         ids [B, K] int64 and weights [B, K] in topk_weights.dtype: bit for bit those of
-        reference.opportunistic_route on the scores of score_experts (and mask_foreign_groups).
+        reference.opportunistic_route on the scores of score_experts (and mask_foreign_groups);
+        the router's own when k0 is outside [1, K) or the gate is closed.
     """
     num_rows, k = topk_ids.shape
     assert router_logits.shape[1] <= 1 << _ID_BITS, f"{router_logits.shape=}"
-    if k0 >= k or num_rows == 0 or not _host_gate(num_rows, num_valid_rows, min_batch, max_batch):
+    if num_rows == 0 or not _host_gate(num_rows, num_valid_rows, k0, k, min_batch, max_batch):
         return topk_ids.long(), topk_weights
     real = _real_rows(num_rows, num_valid_rows, router_logits.device)
     softmax = spec.scoring_func == "softmax"
@@ -338,7 +408,7 @@ def route_from_logits(
     keys, in_union = _lift_bases(_score_keys(selection, signed), topk_ids, k0, real)
     values, ids = _slot_order(keys, in_union, k)
     weights = _renormalised(_picked(weight, values, ids, in_union, masked, signed), topk_weights)
-    if not isinstance(num_valid_rows, torch.Tensor):
+    gate = _settings_gate(num_rows if num_valid_rows is None else num_valid_rows, k0, k, min_batch, max_batch)
+    if gate is None:
         return ids, weights
-    gate = _device_gate(num_valid_rows, min_batch, max_batch)
     return torch.where(gate, ids, topk_ids), torch.where(gate, weights, topk_weights)

@@ -8,6 +8,10 @@ path's exactly and its weights agree within WEIGHT_TOLERANCE (with counting on, 
 counters equal reference.distinct_experts; with the rank check on, the checksum it folds in equals
 reference.ids_checksum of the torch path's ids).
 
+It runs with a k0 that exercises the kernel whatever the startup --oea-k0 is (0, armed but off,
+or >= top-k, a no-op): live settings may later set any k0 (`trial_k0`). The kernel reads it from a
+device control block, as in serving; the torch path is run with the same values.
+
 Its verdict is this rank's alone; sglang_oea.routers makes the ranks agree on it.
 """
 
@@ -55,6 +59,12 @@ class RoutingShape:
             f"logits {str(self.logits_dtype).split('.')[-1]} ids {str(self.ids_dtype).split('.')[-1]} "
             f"weights {str(self.weights_dtype).split('.')[-1]}"
         )
+
+
+def trial_k0(k0: int, num_routed: int) -> int:
+    """The self-check's k0 for a routing shape of top-k `num_routed`: the startup k0 where
+    1 <= k0 < top-k, else top-k // 2 (at least 1), so that the trials route with OEA on."""
+    return k0 if 1 <= k0 < num_routed else max(1, num_routed // 2)
 
 
 def spec_key(spec: RouterSpec) -> Tuple:

@@ -12,7 +12,7 @@ qwen3_moe: softmax routing (Qwen3MoeForCausalLM).
 glm4_moe:  sigmoid routing with a correction bias, expert groups and a shared expert
            (Glm4MoeForCausalLM), the routing family of GLM-4.5 and GLM-5.
 The tokenizer is a small byte-level BPE trained here on a fixed text, so nothing is downloaded
-(benchmark/oea/train_moe.py trains it on its corpus instead, through write_model's `texts`).
+(benchmark/oea/training/train_moe.py trains it on its corpus instead, through write_model's `texts`).
 """
 
 import argparse

@@ -15,4 +15,4 @@ from sglang_oea.cpu_serve import STUB_DIR, cpu_environment  # noqa: E402
 os.environ.update(cpu_environment())
 if STUB_DIR not in sys.path:
     sys.path.insert(0, STUB_DIR)
-sys.path.insert(0, os.path.join(ROOT, "benchmark", "oea"))
+sys.path.insert(0, os.path.join(ROOT, "benchmark", "oea"))  # its folders as packages: from serving import ab_serving

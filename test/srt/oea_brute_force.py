@@ -1,7 +1,7 @@
 """An independent, per-row, pure-Python statement of Simplified OEA, used only as a test oracle.
 
-Written from the paper's Algorithm 1 and docs/oea.md, without looking at sglang_oea.reference's
-tensor formulation: plain lists, sets and sorts.
+Written from the paper's Algorithm 1 and docs/how-it-works.md ("Semantics"), without looking at
+sglang_oea.reference's tensor formulation: plain lists, sets and sorts.
 """
 
 import math
@@ -19,7 +19,7 @@ def brute_force_oea(
     k0: int,
     num_valid: Optional[int] = None,
 ) -> Tuple[List[List[int]], List[List[bool]]]:
-    """Returns (ids, active) per row, as documented in docs/oea.md."""
+    """Returns (ids, active) per row, as documented in docs/how-it-works.md."""
     num_rows, num_experts, k = len(scores), len(scores[0]), len(topk[0])
     valid = num_rows if num_valid is None else num_valid
     if k0 >= k:

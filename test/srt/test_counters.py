@@ -4,7 +4,7 @@ Two CUDA streams cannot be shown on a CPU, so these tests model the ordering the
 creates: when the host reads, the newest routed pass has been launched and may still be adding
 into the live table on the device (modelled by adding part of a pass into the table by hand).
 The reader must return a completed step, the same one on every rank, and lose nothing between
-reads. benchmark/oea/gpu_check.py runs the same protocol with two real streams.
+reads. benchmark/oea/gpu/gpu_check.py runs the same protocol with two real streams.
 """
 
 import torch

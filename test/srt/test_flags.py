@@ -6,14 +6,16 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from sglang_oea import flags, hooks
-from sglang_oea.config import DEFAULT_MIN_BATCH, OEAConfig, build_config
+from sglang_oea.config import DEFAULT_MIN_BATCH, LiveSettings, OEAConfig, build_config
 from sglang_oea.cpu_serve import cpu_environment
 from sglang_oea.tiny_model import main as write_tiny_model
 
@@ -69,6 +71,15 @@ def test_all_flags_parse():
     assert parse(["--oea-k0", "5", "--oea-verify", "on"]).verify and parse(["--oea-k0", "5"]).verify
 
 
+def test_k0_zero_installs_oea_off():
+    """--oea-k0 0 arms OEA (installed, checked like any k0) and leaves it off until a live change."""
+    cfg = parse(["--oea-k0", "0", "--oea-min-batch", "2", "--oea-dump-router-logits", "/tmp/d", "--oea-check-ranks", "5"])
+    assert cfg.enabled and cfg.k0 == 0 and cfg.live() == LiveSettings(0, 2, 0)
+    assert not OEAConfig().enabled and OEAConfig().live() == LiveSettings(0, DEFAULT_MIN_BATCH, 0)
+    assert build_config({"oea_k0": 0}).enabled, "sglang.Engine(oea_k0=0) likewise"
+    assert hooks.startup_state(0, None).startswith('armed, off (k0=0) until POST /set_internal_state {"server_args"')
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--oea-dump-router-logits", "/tmp/d"], "--oea-dump-router-logits records only with --oea-k0 set"),
     (["--oea-check-ranks", "10"], "--oea-check-ranks compares the experts OEA chose, so it needs --oea-k0"),
@@ -78,11 +89,28 @@ def test_settings_that_act_only_with_oea_on_are_refused_without_k0(argv, message
         parse(argv)
 
 
-def test_other_sglang_versions_are_refused():
-    flags.check_sglang_version("0.5.23")
-    with pytest.raises(ValueError, match=r"--oea-k0 needs sglang==0.5.23 .*this environment has sglang 0.5.24"):
-        flags.check_sglang_version("0.5.24")
-    assert flags.installed_sglang_version() == "0.5.23"
+@pytest.mark.parametrize("found", ["0.5.23", "0.5.23.post1", "0.5.23+cu130", "0.5.23.post2+cu129"])
+def test_every_build_of_sglang_0_5_23_is_accepted(found):
+    flags.check_sglang_version(found)
+
+
+@pytest.mark.parametrize("found", ["0.5.22", "0.5.24", "0.5.23rc1", "0.5.23.dev0", "0.6.0", "not installed"])
+def test_other_sglang_releases_and_pre_releases_are_refused(found):
+    with pytest.raises(ValueError, match=rf"--oea-k0 needs an sglang 0.5.23 build .*this environment has sglang {re.escape(found)}$"):
+        flags.check_sglang_version(found)
+
+
+def test_the_wheel_requires_what_the_startup_check_accepts():
+    """pip and the startup check apply one rule: the wheel's requirement is the check's spec, and
+    the spec admits exactly the builds the check accepts."""
+    from packaging.specifiers import SpecifierSet
+
+    pyproject = (Path(__file__).resolve().parents[2] / "python" / "pyproject.toml").read_text()
+    assert f'dependencies = ["sglang{flags.SUPPORTED_SGLANG_SPEC}"]' in pyproject
+    spec = SpecifierSet(flags.SUPPORTED_SGLANG_SPEC)
+    for found in ["0.5.23", "0.5.23.post1", "0.5.23+cu130", "0.5.22", "0.5.24", "0.5.23rc1", "0.5.24rc1"]:
+        assert spec.contains(found) == flags.supported_sglang(found), found
+    assert flags.supported_sglang(flags.installed_sglang_version())
 
 
 @pytest.mark.parametrize("flag,value,choices", [
@@ -109,7 +137,6 @@ def test_bad_choices_are_refused_by_the_config():
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--oea-k0", "0"], "--oea-k0"),
     (["--oea-k0", "-3"], "--oea-k0"),
     (["--oea-k0", "2.5"], "--oea-k0"),
     (["--oea-k0", "four"], "--oea-k0"),
@@ -132,8 +159,10 @@ def test_max_batch_below_min_batch_is_refused():
 
 
 def test_config_object_refuses_non_integers():
-    with pytest.raises(ValueError, match="--oea-k0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="--oea-k0 must be an integer >= 0, got 2.0"):
         OEAConfig(k0=2.0)
+    with pytest.raises(ValueError, match="--oea-k0 must be an integer >= 0, got True"):
+        OEAConfig(k0=True)
     with pytest.raises(ValueError, match="--oea-min-batch"):
         OEAConfig(k0=2, min_batch=True)
 
@@ -154,6 +183,21 @@ def test_deprecated_environment_variable(caplog):
 def test_valid_server_passes_and_reports_shape(moe_model):
     shape = flags.validate_server(OEAConfig(k0=2), settings(moe_model), lambda: json.load(open(f"{moe_model}/config.json")))
     assert (shape.num_experts, shape.top_k, shape.family) == (16, 4, "softmax")
+
+
+def test_startup_check_loads_the_config_of_the_served_revision(moe_model, monkeypatch):
+    """The model check reads the config SGLang will load: --revision and --trust-remote-code go through."""
+    import transformers
+
+    calls = []
+    real = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda path, **kw: calls.append((path, kw)) or real(path, **kw))
+    hooks.validate_for_server(OEAConfig(k0=2), settings(moe_model, revision="v2-router", trust_remote_code=True))
+    assert calls == [(moe_model, {"trust_remote_code": True, "revision": "v2-router"})]
+    calls.clear()
+    hooks.validate_for_server(OEAConfig(k0=2), settings(moe_model))
+    assert calls == [(moe_model, {"trust_remote_code": False, "revision": None})]
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -364,7 +408,7 @@ def test_launch_server_help_lists_the_oea_group():
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--oea-k0", "0"], "argument --oea-k0: --oea-k0 must be an integer >= 1, got 0"),
+    (["--oea-k0", "-1"], "argument --oea-k0: --oea-k0 must be an integer >= 0, got -1"),
     (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
     (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
     (["--oea-k0", "3", "--oea-kernel", "triton"], "sglang-oea: error: --oea-kernel triton needs a CUDA device"),
@@ -409,13 +453,20 @@ def test_engine_keyword_refusal(moe_model):
 def test_engine_keywords_behave_like_the_flags(moe_model, monkeypatch, keywords, stats):
     """Engine(oea_disable_stats=True) is --oea-disable-stats; no oea_* keyword reaches SGLang."""
     monkeypatch.setenv(hooks.CONFIG_ENV, "")  # restored after the test: the hook publishes into it
-    seen = {}
-    hooks.engine_init_hook(lambda self, **kw: seen.update(kw), None, model_path=moe_model, oea_k0=2,
-                           oea_kernel="torch", oea_verify=stats, **keywords)
-    assert not [key for key in seen if key.startswith("oea_")]
+    record = hooks.engine_server_args(model_path=moe_model, oea_k0=2, oea_kernel="torch", oea_verify=stats, **keywords)
+    assert record.model_path == moe_model, "the other keywords reach SGLang's ServerArgs"
     assert hooks.published_config() == OEAConfig(k0=2, stats=stats, kernel="torch", verify=stats)
     with pytest.raises(ValueError, match="oea_disable_stats\\) must be True or False, got 'yes'"):
-        hooks.engine_init_hook(lambda self, **kw: None, None, model_path=moe_model, oea_k0=2, oea_disable_stats="yes")
+        hooks.engine_server_args(model_path=moe_model, oea_k0=2, oea_disable_stats="yes")
+
+
+def test_the_first_engine_of_a_process_takes_the_oea_keywords(moe_model):
+    """sglang.Engine loads the plugins inside its own __init__: the keywords are read by the record
+    class it builds its ServerArgs with, not by an __init__ hook, which would land too late."""
+    probe = (f"import sglang\ntry:\n    sglang.Engine(model_path={moe_model!r}, oea_k0=0, oea_min_batch=0)\n"
+             "except ValueError as exc:\n    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], env=cpu_environment(), capture_output=True, text=True, timeout=240)
+    assert proc.stdout.strip().splitlines()[-1] == "--oea-min-batch must be an integer >= 1, got 0", proc.stderr[-2000:]
 
 
 class PluginsLoaded(Exception):
@@ -488,6 +539,7 @@ class PluginsLoaded(Exception):
 
 def report(*args, **kwargs):
     print(json.dumps({"routing_missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
+                      "control_missing": hooks.missing_hooks(hooks.CONTROL_TARGETS),
                       "cli_missing": hooks.missing_hooks(hooks.CLI_TARGETS)}))
     raise PluginsLoaded
 
@@ -514,16 +566,32 @@ except PluginsLoaded:
 """
 
 
-@pytest.mark.parametrize("role", ["scheduler", "detokenizer", "dp_controller", "launcher"])
-def test_only_scheduler_processes_get_the_routing_hooks(role):
+def probe_process(role, cfg):
+    """The hooks a process of `role` has right after its load_plugins(), with `cfg` published."""
     env = cpu_environment()
-    env[hooks.CONFIG_ENV] = json.dumps(OEAConfig(k0=2).as_dict())
+    env.pop(hooks.CONFIG_ENV, None)
+    if cfg is not None:
+        env[hooks.CONFIG_ENV] = json.dumps(cfg.as_dict())
     proc = subprocess.run([sys.executable, "-c", PROCESS_PROBE, role], env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("role", ["scheduler", "detokenizer", "dp_controller", "launcher"])
+def test_only_scheduler_processes_get_the_routing_hooks(role):
+    result = probe_process(role, OEAConfig(k0=2))
     assert result["routing_missing"] == ([] if role == "scheduler" else list(hooks.ROUTING_TARGETS))
+    assert result["control_missing"] == ([] if role == "scheduler" else list(hooks.CONTROL_TARGETS))
     assert result["cli_missing"] == [], "the flags' hooks are in every process"
+
+
+def test_scheduler_without_oea_only_refuses_the_live_settings():
+    """OEA not installed: no routing target is wrapped in a scheduler either; its internal-state
+    controller gets the one hook that refuses the oea_* keys with advice."""
+    result = probe_process("scheduler", None)
+    assert result["routing_missing"] == list(hooks.ROUTING_TARGETS)
+    assert result["control_missing"] == [hooks.SET_STATE, hooks.GET_STATE]
 
 
 def test_a_hook_target_gone_from_sglang_is_reported_missing():

@@ -2,7 +2,7 @@
 
 DecodeCudaGraphRunner captures one graph per bucket, largest first: an outer forward context in
 capture mode, two eager warm-up forwards, then the captured forward; each replay first sets the
-real row count. Capture itself needs a GPU (benchmark/oea/gpu_check.py), so here stream capture is
+real row count. Capture itself needs a GPU (benchmark/oea/gpu/gpu_check.py), so here stream capture is
 forced on (`is_capturing`) for the captured forward, and a replay re-runs the captured Python path
 with the device row scalar changed, as the graph would. Under speculative decoding the same runner
 captures the target's verify graphs: a bucket of requests with every draft token a row.
@@ -66,12 +66,14 @@ def capture_bucket(rt, capture, inputs, bucket, config, mode=DECODE, per_request
         rt.step = previous
 
 
-def replay(rt, capture, inputs, bucket, real, config, mode=DECODE, per_request=1):
+def replay(rt, capture, inputs, bucket, real, config, mode=DECODE, per_request=1, while_running=None):
     """One step served by the bucket's graph: the step's forward context (`real` requests), the
     real token rows set before the replay, the captured Python path re-run with them, the bucket
-    noted after."""
+    noted after. while_running: called once the step has begun (what the host does meanwhile)."""
     previous = rt.begin_step(mode, real * per_request, requests=real)
     try:
+        if while_running is not None:
+            while_running()
         rt.set_replay_rows(real * per_request)
         graph_step = rt.begin_step(mode, bucket * per_request, graph=True, outermost=False, requests=bucket)
         capture.on = True
@@ -148,7 +150,7 @@ DRAFTS, VERIFY_BUCKET = 4, 4  # 16 rows, as the decode bucket
 
 @pytest.fixture
 def captured_verify(capture):
-    rt = OEARuntime(OEAConfig(k0=3, min_batch=2, max_batch=3), speculative=True)
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2, max_batch=3 * DRAFTS), speculative=True)
     inputs = {layer: router_inputs(VERIFY_BUCKET * DRAFTS, seed=10 + layer) for layer in LAYERS}
     capture_bucket(rt, capture, inputs, VERIFY_BUCKET, CONFIG, mode=VERIFY, per_request=DRAFTS)
     return rt, capture, inputs
@@ -166,10 +168,37 @@ def test_verify_replay_routes_every_real_draft_token(captured_verify, requests):
 
 
 @pytest.mark.parametrize("requests", [1, 4])
-def test_verify_gate_counts_requests_not_rows(captured_verify, requests):
-    """1 request is 4 rows (>= min_batch 2) and 2 requests are 8 rows (> max_batch 3): a gate on
-    rows would open at 1 request and close at 2. On requests, 1 and 4 are outside [2, 3]."""
+def test_verify_gate_floor_counts_requests_and_cap_counts_rows(captured_verify, requests):
+    """min_batch 2 requests, max_batch 12 rows, 4 draft tokens a request: 1 request (4 rows) is
+    below the floor, which counts requests; 4 requests (16 rows) are above the cap, which counts
+    rows (a cap on requests would let 4 through)."""
     assert_router_output(verify_replay(captured_verify, requests), captured_verify[2])
+
+
+@pytest.mark.parametrize("mode,per_request,routed_buckets", [
+    (DECODE, 1, {2, 4, 8}),  # max 6 rows: bucket 8 serves 5-8 requests, 16 serves 9-16
+    (VERIFY, DRAFTS, {2, 4}),  # max 12 rows: bucket 4 serves 3-4 requests (12-16 rows), 8 serves 5-8
+])
+def test_buckets_outside_the_gate_are_captured_without_routing(capture, mode, per_request, routed_buckets):
+    """A bucket serves batches above the next smaller bucket: one whose smallest batch is already
+    above --oea-max-batch, or whose largest is below --oea-min-batch, never opens the gate, so its
+    graph is captured with no routing in it (no launch at replay). Its replays keep the router's ids."""
+    buckets = (1, 2, 4, 8, 16)
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2, max_batch=6 if mode == DECODE else 3 * DRAFTS),
+                    speculative=mode == VERIFY)
+    rt.graph_buckets = buckets
+    routed = set()
+    for bucket in reversed(buckets):  # SGLang captures largest first
+        inputs = {layer: router_inputs(bucket * per_request, seed=bucket) for layer in LAYERS}
+        out = capture_bucket(rt, capture, inputs, bucket, CONFIG, mode=mode, per_request=per_request)
+        if all(o is not None for o in out.values()):
+            routed.add(bucket)
+        else:
+            assert all(o is None for o in out.values()), out
+    assert routed == routed_buckets
+    inputs = {layer: router_inputs(16 * per_request, seed=16) for layer in LAYERS}
+    assert all(o is None for o in replay(rt, capture, inputs, 16, 12, CONFIG, mode, per_request).values())
+    assert rt.skipped == {(mode, "above_max_batch"): 1}
 
 
 def test_verify_replays_are_counted_as_verify_steps(captured_verify):
@@ -300,29 +329,52 @@ def test_unseen_variant_in_capture_is_refused(capture):
         rt.route(ids, weights, CONFIG, strided, 0)
 
 
+def record_captured_workspaces(monkeypatch, router):
+    """[(workspace weakref, its buffers' addresses)] for every workspace a capture call used."""
+    import weakref
+
+    used, lookup = [], router.workspace
+
+    def workspace(slot, logits, ids, weights, capturing):
+        ws = lookup(slot, logits, ids, weights, capturing)
+        if capturing:
+            used.append((weakref.ref(ws), (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr())))
+        return ws
+    monkeypatch.setattr(router, "workspace", workspace)
+    return used
+
+
 @kernel_only
-def test_workspace_a_graph_uses_is_never_replaced(monkeypatch, capture):
-    """An eager batch larger than the captured workspace gets its own; the graph's stays put."""
+def test_no_captured_workspace_is_released_or_replaced(monkeypatch, capture):
+    """SGLang's adaptive speculative decoding captures one verify runner per step count, each wider
+    than the last (only the first gets the warm-up that sized the main workspace), then serves eager
+    batches wider still. Every workspace a capture used stays alive at its address, and every graph
+    still routes like the reference when replayed afterwards."""
     from sglang_oea.routers import TritonRouter
 
     monkeypatch.setattr(TritonRouter, "MIN_WORKSPACE_ROWS", BUCKET)  # small, for the interpreter
-    rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
-    inputs = {0: router_inputs(BUCKET, seed=0)}
-    capture_bucket(rt, capture, inputs, BUCKET, CONFIG)
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2))
     router = rt.routers.triton
-    ws = router.workspaces[0, torch.int32, torch.float32]
-    pointers = (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr())
-    big = BUCKET + 7
-    logits, ids, weights = router_inputs(big, seed=9)
-    rt.begin_step(DECODE, big)
+    used = record_captured_workspaces(monkeypatch, router)
+    requests, runners = 8, (2, 3, 4)  # draft tokens per request: 16, 24, 32 rows
+    inputs = {per: {0: router_inputs(requests * per, seed=per)} for per in runners}
+    for per in runners:
+        capture_bucket(rt, capture, inputs[per], requests, CONFIG, mode=VERIFY, per_request=per)
+    logits, ids, weights = router_inputs(70, seed=9)  # an eager verify batch wider than every runner
+    rt.begin_step(VERIFY, 70, requests=35)
     got_ids, _ = rt.route(ids, weights, CONFIG, logits, 0)
     rt.end_step()
-    assert router.workspaces[0, torch.int32, torch.float32] is ws and (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr()) == pointers
-    assert router.overflow[0, torch.int32, torch.float32].max_rows >= big
-    assert torch.equal(got_ids.long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, big)[0])
-    out = replay(rt, capture, inputs, BUCKET, 9, CONFIG)  # the graph's workspace still serves
-    logits, ids, weights = inputs[0]
-    assert torch.equal(out[0][0].long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, 9)[0])
+    assert torch.equal(got_ids.long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, 70)[0])
+    held = router.workspaces[0, torch.int32, torch.float32]
+    assert len(used) == len(runners) and [ws.max_rows for ws in held] == [16, 32, 70]
+    for ref, pointers in used:
+        ws = ref()
+        assert ws is not None and any(ws is h for h in held), "a captured workspace was released"
+        assert (ws.union.data_ptr(), ws.out_ids.data_ptr(), ws.out_weights.data_ptr()) == pointers
+    for per in runners:  # every runner's graph still serves, through the workspace it captured
+        out = replay(rt, capture, inputs[per], requests, 5, CONFIG, mode=VERIFY, per_request=per)
+        logits, ids, weights = inputs[per][0]
+        assert torch.equal(out[0][0].long(), route_from_logits(logits, ids, weights, RouterSpec("softmax"), 3, 5 * per)[0])
 
 
 @kernel_only

@@ -23,7 +23,7 @@ from sglang_oea.routers import (CAPTURE, EAGER, WARMUP, GraphCaptureError, Kerne
                                 TorchRouter)
 from sglang_oea.routing import RouterSpec, route_from_logits
 from sglang_oea.runtime import DECODE, OEARuntime
-from sglang_oea.self_check import RoutingShape, ids_checksum, run_self_check, spec_key
+from sglang_oea.self_check import TRIALS, RoutingShape, ids_checksum, run_self_check, spec_key
 
 SPEC = RouterSpec("softmax")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -32,13 +32,16 @@ cpu_engine_only = pytest.mark.skipif(INTERPRET, reason="the interpreter makes th
 
 
 def torch_kernel(logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch, workspace, stats=None,
-                 before_launch=None, checksum=None):
+                 before_launch=None, checksum=None, control=None, rows_per_request=1):
     """A stand-in for the fused kernel with its exact contract, computed by the torch path."""
-    new_ids, new_weights, _ = TorchRouter()(0, logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch)
+    new_ids, new_weights, _ = TorchRouter()(0, logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch,
+                                            control=control, rows_per_request=rows_per_request)
     if stats is not None:
         from sglang_oea.reference import batch_gate, distinct_experts
+        from sglang_oea.routing import control_gate
 
-        gate = batch_gate(rows, min_batch, max_batch)
+        gate = (batch_gate(rows, min_batch, max_batch) if control is None
+                else control_gate(rows, control, num_routed, rows_per_request))
         before = distinct_experts(ids[:, :num_routed], logits.shape[1], rows)
         after = distinct_experts(new_ids[:, :num_routed], logits.shape[1], rows)
         stats.add_(torch.stack([torch.ones_like(before), before, after]) * gate)
@@ -330,6 +333,24 @@ def test_a_failing_trial_setup_is_a_failed_self_check_not_a_raise(monkeypatch):
     monkeypatch.setattr(self_check, "trial_inputs", out_of_memory)
     error = run_self_check(standin_route(torch_kernel), shape_of(), SPEC, 3, "cpu")
     assert error == "B=1 (1 real): OutOfMemoryError: CUDA out of memory (stand-in)"
+
+
+@pytest.mark.parametrize("startup_k0,trial", [(0, 4), (3, 3), (1, 1), (TOP_K, 4), (TOP_K + 3, 4)])
+def test_self_check_exercises_the_kernel_whatever_the_startup_k0(kernel, startup_k0, trial):
+    """Live settings may set any k0 later, so the self-check routes with the startup k0 where it is in
+    [1, top-k) and with top-k // 2 otherwise (0: armed but off; >= top-k: a no-op). The kernel reads
+    it from a control block, as in serving; the torch path it is compared with runs with the same
+    values (a stand-in that routes with what its control block says passes only then)."""
+    seen = []
+
+    def recording(*args, control=None, **kwargs):
+        seen.append(control.tolist())
+        return torch_kernel(*args, control=control, **kwargs)
+    kernel.use(recording)
+    choice = RouterChoice("auto", startup_k0)
+    logits, ids, weights = router_inputs(6, 0)
+    assert choice.router_for(0, logits, ids, weights, SPEC, TOP_K, False, False) is choice.triton
+    assert seen == [[trial, 1, 0]] * len(TRIALS)
 
 
 def test_one_layer_routes_two_id_dtypes_with_one_decision_each(kernel):

@@ -1,8 +1,8 @@
 """Both fused OEA kernels compile offline, with no GPU, for sm_90, sm_100 and sm_120: no spills,
 shared memory within each target's per-block limit.
 
-The compiles, the cases and the checks live in benchmark/oea/compile_table.py (which also writes the
-register / shared-memory table for the docs). Each compile is the binary a launch would build: the
+The compiles, the cases and the checks live in benchmark/oea/gpu/compile_table.py (which also writes
+the register / shared-memory table for the docs). Each compile is the binary a launch would build: the
 launches come from `kernel_launches` (the plan `oea_route` runs), Triton's own launch-time binder and
 `_pack_args` turn them into the compile inputs, and `triton.compile` targets
 GPUTarget("cuda", arch, 32) with the ptxas bundled in the Triton wheel (sm_90a, sm_100a, sm_120a).
@@ -20,7 +20,8 @@ fit the CI budget of ~4 minutes on 2 cores. So:
     columns and the rank-check checksum off/on rotate: each takes both values within every (N, K)
     pair (the softmax and the sigmoid case of a pair differ in all of them), so every value meets
     every N and every K on every arch (test_rotation_covers_every_value checks this);
-  - the row count is always a 1-element int32 tensor (the kernels' only variant).
+  - the row count is always a 1-element int32 tensor, and k0 and the gate bounds a 3-element int32
+    control block read on the device (the kernels' only variant, whatever the settings).
 That is 48 cases x 2 kernels x 3 archs = 288 compiles: about 2-2.5 minutes on an idle 2-core
 machine with a process pool of 2.
 Triton's cache is a fresh temporary directory, so every compile is real.
@@ -41,9 +42,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "oea"
 if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(BENCH))  # its folders import as packages
 # Imported by module name (not from a file spec): the spawned compile workers import it the same way.
-compile_table = importlib.import_module("compile_table")
+compile_table = importlib.import_module("gpu.compile_table")
 
 
 def test_rotation_covers_every_value():

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpu_routing_cost import torch_ops  # benchmark/oea: the op count it reports, same rule
+from cost.cpu_routing_cost import torch_ops  # benchmark/oea: the op count it reports, same rule
 from sglang_oea import routing
 from sglang_oea.reference import opportunistic_route
 from sglang_oea.routing import RouterSpec, mask_foreign_groups, route_from_logits, score_experts
@@ -231,7 +231,7 @@ def test_softmax_ranks_by_logit_where_probabilities_tie():
     """Probabilities that underflow to 0 or round to one value, from logits that differ: the torch
     path ranks by the logit, which picks other ids than ranking by probability (the old selection
     score, ties to the lower id), and never piggybacks an expert whose logit is -inf."""
-    from gpu_cases import probability_tie_inputs
+    from gpu.gpu_score_bits import probability_tie_inputs
 
     logits, ids, weights, spec = probability_tie_inputs()
     probs = logits.softmax(dim=1)
@@ -278,6 +278,33 @@ def test_device_row_count_equals_the_int():
                 assert_same(route_from_logits(*case, 3, as_tensor), as_int, f"{scoring} {count}")
 
 
+@pytest.mark.parametrize("scoring,groups", [("softmax", 1), ("sigmoid+bias", 8), ("sigmoid", 2)])
+def test_device_settings_equal_the_ints(scoring, groups):
+    """Live settings: k0 and the gate bounds as 0-d device tensors, read from a control block as a
+    captured graph reads them (routing.control_values). For every k0 in 0..K+1 (0: off, >= K: a
+    no-op) and with padded rows, the same ids and weight bits as the int path; the device gate
+    (routing.control_gate) says whether OEA applied."""
+    case = make_case(random.Random(11), 12, 64, 6, scoring, groups, "bf16", "router")
+    gates = [(None, 1, 0), (7, 1, 0), (torch.tensor(7, dtype=torch.int32), 2, 10), (torch.tensor([9]), 10, 0),
+             (12, 1, 11), (torch.tensor(5, dtype=torch.int32), 1, 5)]
+    for k0 in range(0, 8):
+        for valid, lo, hi in gates:
+            control = torch.tensor([k0, lo, hi], dtype=torch.int32)
+            k0_d, lo_d, hi_d = routing.control_values(control)
+            want = route_from_logits(*case, k0, valid, lo, hi)
+            assert_same(route_from_logits(*case, k0_d, valid, lo_d, hi_d), want, f"{k0=} {valid=} {lo=} {hi=}")
+            rows = 12 if valid is None else valid
+            opened = bool(routing.control_gate(rows, control, 6))
+            assert opened == (1 <= k0 < 6 and lo <= int(rows) and (hi == 0 or int(rows) <= hi))
+            assert opened or torch.equal(want[0], case[1].long())
+
+
+def test_device_settings_scale_the_floor_by_rows_per_request():
+    control = torch.tensor([3, 2, 12], dtype=torch.int32)
+    assert [bool(routing.control_gate(rows, control, 8, rows_per_request=4)) for rows in (4, 8, 12, 16)] == [
+        False, True, True, False]
+
+
 # ----------------------------------------------------------------------------- graph safety
 
 HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "item", "unique",
@@ -314,6 +341,22 @@ def test_no_host_sync_and_fixed_shapes_with_a_device_row_count(scoring, groups):
     for count in (0, 1, 5, 12, 40):
         with OpLog() as log:
             route_from_logits(*case, 2, torch.tensor(count, dtype=torch.int32), 2, 10)
+        logs.append(log.calls)
+    assert all(calls == logs[0] for calls in logs)
+
+
+def test_no_host_sync_and_fixed_shapes_with_device_settings():
+    """The same ops with the same shapes whatever the control block holds (k0 0..K+1, any bounds)."""
+    case = make_case(random.Random(5), 12, 64, 6, "sigmoid+bias", 8, "bf16", "router")
+    rows = torch.tensor(9, dtype=torch.int32)
+    k0, lo, hi = routing.control_values(torch.tensor([2, 1, 0], dtype=torch.int32))
+    route_from_logits(*case, k0, rows, lo, hi)  # builds the cached tables
+    logs = []
+    for values in ((0, 1, 0), (2, 4, 10), (5, 1, 0), (6, 1, 0), (7, 20, 3)):
+        control = torch.tensor(values, dtype=torch.int32)
+        k0, lo, hi = routing.control_values(control)
+        with OpLog() as log:
+            route_from_logits(*case, k0, rows, lo, hi)
         logs.append(log.calls)
     assert all(calls == logs[0] for calls in logs)
 

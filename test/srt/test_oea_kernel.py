@@ -12,9 +12,9 @@ The interpreter costs ~20-40 ms per row, so the grid is sampled: every listed N,
 k0 < K appears in some case. Half of the grid also passes the expert counters (`stats=`) and
 checks them against sglang_oea.reference.distinct_experts and batch_gate; half (crossed with it)
 passes the rank-check checksum (`checksum=`) and checks it against reference.ids_checksum. The
-grid, the inputs and the comparison live in benchmark/oea/gpu_cases.py, which
-benchmark/oea/gpu_check.py also runs on a GPU, together with its bitwise score check
-(check_score_bits), which these tests run in the interpreter.
+grid and the inputs live in benchmark/oea/gpu/gpu_cases.py, the comparison in gpu_compare.py, which
+benchmark/oea/gpu/gpu_check.py also runs on a GPU, together with its bitwise score check
+(gpu_score_bits.check_score_bits), which these tests run in the interpreter.
 
 In the interpreter the kernel's exp is numpy's, while the torch path's is torch's CPU exp, which
 differs in the last bit for many inputs (and even between its vectorised body and scalar tail):
@@ -23,11 +23,11 @@ bits on both paths everywhere.
 """
 
 import importlib
-import importlib.util
 import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,28 +46,23 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _load_gpu_cases():
-    """benchmark/oea/gpu_cases.py (the GPU check's case module): the sampled grid, the inputs and the comparison."""
-    spec = importlib.util.spec_from_file_location("oea_gpu_cases", REPO / "benchmark/oea/gpu_cases.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# benchmark/oea/gpu (on sys.path through conftest.py): the GPU check's case grid and inputs, its
+# comparison with the reference, and its score-bits check.
+from gpu import gpu_cases, gpu_compare, gpu_score_bits  # noqa: E402
 
-
-gpu_check = _load_gpu_cases()  # the tests below call it by the GPU check's name
-Case, N_VALUES, K_VALUES, SEED = gpu_check.Case, gpu_check.N_VALUES, gpu_check.K_VALUES, gpu_check.SEED
-CASES = gpu_check.sampled_cases()
+Case, N_VALUES, K_VALUES, SEED = gpu_cases.Case, gpu_cases.N_VALUES, gpu_cases.K_VALUES, gpu_cases.SEED
+CASES = gpu_cases.sampled_cases()
 if IN_PROCESS:
     kernel_module = importlib.import_module("sglang_oea.kernels.oea_route")
     oea_route, OEAWorkspace = kernel_module.oea_route, kernel_module.OEAWorkspace
 
 
 def _inputs(case: Case, seed: int):
-    return gpu_check.router_inputs(case, torch.Generator().manual_seed(seed), DEVICE)
+    return gpu_cases.router_inputs(case, torch.Generator().manual_seed(seed), DEVICE)
 
 
 def _assert_matches_oracle(case: Case, out_ids, out_w, logits, ids, w, spec):
-    err = gpu_check.compare(case, out_ids, out_w, logits, ids, w, spec)
+    err = gpu_compare.compare(case, out_ids, out_w, logits, ids, w, spec)
     assert err is None, err
 
 
@@ -98,7 +93,7 @@ def test_grid_covers_every_listed_value():
 @needs_kernel
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernel_matches_oracle(case: Case):
-    err = gpu_check.check_case(case, DEVICE)
+    err = gpu_compare.check_case(case, DEVICE)
     assert err is None, err
 
 
@@ -118,8 +113,8 @@ GATE_CASES = [
 def test_gate_closed_returns_router_output_bit_for_bit(min_batch, max_batch, nv, B, nv_kind):
     case = Case(B=B, N=64, K=8, k0=3, nv=nv, nv_kind=nv_kind, min_batch=min_batch, max_batch=max_batch)
     logits, ids, w, spec = _inputs(case, SEED)
-    sums, row = gpu_check.new_stats(DEVICE)
-    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, stats=row)
+    sums, row = gpu_compare.new_stats(DEVICE)
+    out_ids, out_w = gpu_cases.run_kernel(case, logits, ids, w, spec, stats=row)
     assert out_ids.dtype == ids.dtype and out_w.dtype == w.dtype
     assert torch.equal(out_ids, ids)
     assert torch.equal(out_w.view(torch.int32), w.view(torch.int32))
@@ -131,12 +126,12 @@ def test_gate_closed_returns_router_output_bit_for_bit(min_batch, max_batch, nv,
 def test_gate_open_at_its_bounds(min_batch, max_batch, nv):
     case = Case(B=10, N=128, K=8, k0=4, nv=nv, min_batch=min_batch, max_batch=max_batch, ties="bf16")
     logits, ids, w, spec = _inputs(case, SEED + 1)
-    sums, row = gpu_check.new_stats(DEVICE)
-    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, stats=row)
+    sums, row = gpu_compare.new_stats(DEVICE)
+    out_ids, out_w = gpu_cases.run_kernel(case, logits, ids, w, spec, stats=row)
     assert not torch.equal(out_ids, ids)  # OEA changed something
     _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
-    want = gpu_check.expected_stats(case, logits, ids, w, spec)
-    assert want[0] == 1 and gpu_check.stats_error(case, sums, 1, want) is None, (sums, want)
+    want = gpu_compare.expected_stats(case, logits, ids, w, spec)
+    assert want[0] == 1 and gpu_compare.stats_error(case, sums, 1, want) is None, (sums, want)
 
 
 @needs_kernel
@@ -147,7 +142,7 @@ def test_workspace_is_reused_and_left_clean():
     for i, (nv, B, scoring) in enumerate(calls):
         case = Case(B=B, N=160, K=6, k0=2, nv=nv, scoring=scoring, bias=scoring == "sigmoid", ties="bf16")
         logits, ids, w, spec = _inputs(case, SEED + 2 + i)
-        out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, workspace=ws)
+        out_ids, out_w = gpu_cases.run_kernel(case, logits, ids, w, spec, workspace=ws)
         assert out_ids.data_ptr() == ws.out_ids.data_ptr() and out_ids.shape == (B, 6)
         assert int(ws.union.count_nonzero()) == 0 and int(ws.counter.item()) == 0
         assert int(ws.routed.count_nonzero()) == 0
@@ -179,22 +174,22 @@ def test_stats_count_distinct_experts_and_accumulate():
     ws = OEAWorkspace.allocate(N, K, 16, torch.int32, torch.float32, DEVICE)
     sums = torch.zeros(4, 3, dtype=torch.int64, device=DEVICE)
     want = [0, 0, 0]
-    groups = gpu_check.group_count(N, K, random.Random(SEED)) or 4
+    groups = gpu_cases.group_count(N, K, random.Random(SEED)) or 4
     for i, (B, nv, kind, scoring, restrict, lo, hi, counted) in enumerate(STATS_CALLS):
         case = Case(B=B, N=N, K=K, k0=k0, nv=nv, nv_kind=kind, scoring=scoring, bias=scoring == "sigmoid",
                     groups=groups if restrict else 1, restrict=restrict, ties="bf16", min_batch=lo, max_batch=hi)
         logits, ids, w, spec = _inputs(case, SEED + 40 + i)
-        out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec, workspace=ws,
+        out_ids, out_w = gpu_cases.run_kernel(case, logits, ids, w, spec, workspace=ws,
                                               stats=sums[layer] if counted else None)
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
         if counted:
-            added = gpu_check.expected_stats(case, logits, ids, w, spec)
+            added = gpu_compare.expected_stats(case, logits, ids, w, spec)
             gate = bool(batch_gate(nv, lo, hi))
             # The counters' definition, spelled out once against the kernel's own output.
             assert added == ([1, int(distinct_experts(ids, N, nv)), int(distinct_experts(out_ids, N, nv))]
                              if gate else [0, 0, 0]), (case, added)
             want = [a + b for a, b in zip(want, added)]
-        err = gpu_check.stats_error(case, sums, layer, want)
+        err = gpu_compare.stats_error(case, sums, layer, want)
         assert err is None, f"call {i}: {err}"
         assert int(ws.union.count_nonzero()) == 0 and int(ws.routed.count_nonzero()) == 0
         assert int(ws.counter.item()) == 0
@@ -208,14 +203,14 @@ def test_stats_argument_is_checked():
     for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE),
                 torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)[:, 0]):
         with pytest.raises(AssertionError, match="stats"):
-            gpu_check.run_kernel(case, logits, ids, w, spec, stats=bad)
+            gpu_cases.run_kernel(case, logits, ids, w, spec, stats=bad)
 
 
 @needs_kernel
 def test_k0_at_least_k_returns_the_router_tensors():
     case = Case(B=5, N=64, K=4, k0=4)
     logits, ids, w, spec = _inputs(case, SEED)
-    table, row, slot = gpu_check.new_counters(DEVICE)
+    table, row, slot = gpu_compare.new_counters(DEVICE)
     out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None, stats=row, checksum=slot)
     assert out_ids is ids and out_w is w
     assert not table.any()  # no launch, nothing counted or summed (documented)
@@ -228,7 +223,7 @@ def test_strided_logits_rows():
     logits, ids, w, spec = _inputs(case, SEED + 3)
     wide = torch.cat([logits, torch.randn(6, 7, device=DEVICE)], dim=1)[:, :64]
     assert not wide.is_contiguous()
-    out_ids, out_w = gpu_check.run_kernel(case, wide, ids, w, spec)
+    out_ids, out_w = gpu_cases.run_kernel(case, wide, ids, w, spec)
     _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
 
 
@@ -243,14 +238,14 @@ def test_padded_rows_may_hold_minus_one(min_batch):
     masked = ids.clone()
     masked[case.nv :] = -1
     ws = OEAWorkspace.allocate(64, 8, 12, ids.dtype, w.dtype, DEVICE)
-    sums, row = gpu_check.new_stats(DEVICE)
-    out_ids, out_w = gpu_check.run_kernel(case, logits, masked, w, spec, workspace=ws, stats=row)
+    sums, row = gpu_compare.new_stats(DEVICE)
+    out_ids, out_w = gpu_cases.run_kernel(case, logits, masked, w, spec, workspace=ws, stats=row)
     if min_batch <= case.nv:
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
     else:
         assert torch.equal(out_ids, masked) and torch.equal(out_w, w)
     # Padded rows' -1 ids are not counted (the expected counts use the unmasked ids, valid rows only).
-    err = gpu_check.stats_error(case, sums, 1, gpu_check.expected_stats(case, logits, ids, w, spec))
+    err = gpu_compare.stats_error(case, sums, 1, gpu_compare.expected_stats(case, logits, ids, w, spec))
     assert err is None, err
     assert int(ws.routed.count_nonzero()) == 0 and int(ws.union.count_nonzero()) == 0
 
@@ -271,10 +266,10 @@ def test_shared_expert_columns_pass_through(min_batch):
     shared_ids = torch.tensor([[64, 65]], dtype=ids.dtype, device=DEVICE).expand(9, 2)
     shared_w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1)).to(device=DEVICE, dtype=w.dtype)
     full_ids, full_w = torch.cat([ids, shared_ids], 1), torch.cat([w, shared_w], 1)
-    table, _, slot = gpu_check.new_counters(DEVICE)
+    table, _, slot = gpu_compare.new_counters(DEVICE)
     out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=8, num_valid_rows=case.nv, checksum=slot)
     assert out_ids.shape == (9, 10) and torch.equal(out_ids[:, 8:], shared_ids) and torch.equal(out_w[:, 8:], shared_w)
-    assert gpu_check.checksum_error(case, table, 1, gpu_check.expected_checksum(case, logits, ids, w, spec)) is None
+    assert gpu_compare.checksum_error(case, table, 1, gpu_compare.expected_checksum(case, logits, ids, w, spec)) is None
     if min_batch <= case.nv:
         _assert_matches_oracle(case, out_ids[:, :8].contiguous(), out_w[:, :8].contiguous(), logits, ids, w, spec)
     else:
@@ -291,11 +286,48 @@ def test_int_and_tensor_row_counts_launch_one_variant():
         logits, ids, w, spec = _inputs(case, SEED)
         ws = OEAWorkspace.allocate(64, 8, 16, ids.dtype, w.dtype, DEVICE)
         launched = []
-        out_ids, out_w = _route(case, logits, ids, w, spec, num_valid_rows=gpu_check.num_valid_arg(case, DEVICE),
+        out_ids, out_w = _route(case, logits, ids, w, spec, num_valid_rows=gpu_cases.num_valid_arg(case, DEVICE),
                                 workspace=ws, before_launch=launched.append)
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
         variants[kind] = [launch.variant() for launch in launched]
     assert len(variants["int"]) == 2 and variants["int"] == variants["0d"] == variants["1d"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_control_block_equals_int_settings_for_every_k0(scoring):
+    """Live settings: k0 and the gate bounds read from a device control block, as a graph captured
+    once reads them at every replay. For every k0 in 0..K+1, with padded rows and a shared-expert
+    column, the kernel equals the torch path with the same ints (the router's own bits when k0 is
+    outside [1, K) or the gate is closed), and one compiled variant serves them all."""
+    from sglang_oea.routing import route_from_logits
+
+    K, nv = 6, 7
+    case = Case(B=9, N=64, K=K, k0=3, nv=nv, scoring=scoring, bias=scoring == "sigmoid", ties="bf16")
+    logits, ids, w, spec = _inputs(case, SEED + 80)
+    full_ids = torch.cat([ids, torch.full((9, 1), 64, dtype=ids.dtype, device=DEVICE)], dim=1)
+    full_w = torch.cat([w, torch.full((9, 1), 0.5, dtype=w.dtype, device=DEVICE)], dim=1)
+    ws = OEAWorkspace.allocate(64, K + 1, 16, ids.dtype, w.dtype, DEVICE)
+    control, rows = torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.full((1,), nv, dtype=torch.int32,
+                                                                                device=DEVICE)
+    variants = set()
+    settings = [(k0, 1, 0) for k0 in range(K + 2)] + [(3, 8, 0), (3, 2, 6), (3, 7, 7)]
+    for k0, lo, hi in settings:
+        for i, value in enumerate((k0, lo, hi)):
+            control[i].fill_(value)
+        out_ids, out_w = oea_route(logits, full_ids, full_w, control=control, num_routed=K, scoring_func=spec.scoring_func,
+                                   correction_bias=spec.correction_bias, num_valid_rows=rows, workspace=ws,
+                                   before_launch=lambda launch: variants.add(launch.variant()))
+        assert torch.equal(out_ids[:, K:], full_ids[:, K:]) and torch.equal(out_w[:, K:], full_w[:, K:])
+        want_ids, _ = route_from_logits(logits, ids, w, spec, k0, nv, lo, hi)
+        assert torch.equal(out_ids[:, :K].long(), want_ids), (k0, lo, hi)
+        if 1 <= k0 < K and lo <= nv and (hi == 0 or nv <= hi):
+            _assert_matches_oracle(replace(case, k0=k0, min_batch=lo, max_batch=hi), out_ids[:, :K].contiguous(),
+                                   out_w[:, :K].contiguous(), logits, ids, w, spec)
+            assert not torch.equal(out_ids[:, :K], ids), (k0, lo, hi)
+        else:
+            assert torch.equal(out_ids, full_ids) and torch.equal(out_w.view(torch.int32), full_w.view(torch.int32))
+    assert len(variants) == 2, "k0 and the bounds are not compile-time constants"
 
 
 # (B, real rows, nv_kind, scoring, shared-expert columns, min_batch, max_batch, stats?, ids dtype): one
@@ -329,16 +361,16 @@ def test_checksum_matches_the_reference_and_accumulates():
         full_ids = torch.cat([ids, torch.full((B, shared), N, dtype=ids.dtype, device=DEVICE)], dim=1)
         full_w = torch.cat([w, torch.full((B, shared), 0.5, dtype=w.dtype, device=DEVICE)], dim=1)
         out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=K,
-                                num_valid_rows=gpu_check.num_valid_arg(case, DEVICE),
+                                num_valid_rows=gpu_cases.num_valid_arg(case, DEVICE),
                                 stats=table[layer, :3] if counted else None, checksum=table[layer, 3:])
         _assert_matches_oracle(case, out_ids[:, :K].contiguous(), out_w[:, :K].contiguous(), logits, ids, w, spec)
         added = int(ids_checksum(out_ids[:, :K], nv))
-        assert added == gpu_check.expected_checksum(case, logits, ids, w, spec), f"call {i}"
+        assert added == gpu_compare.expected_checksum(case, logits, ids, w, spec), f"call {i}"
         assert (added == 0) == (nv == 0), f"call {i}: {added=}"
-        want_sum = gpu_check.wrapping_sum(want_sum, added)
+        want_sum = gpu_compare.wrapping_sum(want_sum, added)
         if counted:
-            want_stats = [a + b for a, b in zip(want_stats, gpu_check.expected_stats(case, logits, ids, w, spec))]
-        err = gpu_check.checksum_error(case, table, layer, want_sum)
+            want_stats = [a + b for a, b in zip(want_stats, gpu_compare.expected_stats(case, logits, ids, w, spec))]
+        err = gpu_compare.checksum_error(case, table, layer, want_sum)
         assert err is None, f"call {i}: {err}"
         assert table[layer, :3].tolist() == want_stats, f"call {i}"
         assert not torch.cat([table[:layer], table[layer + 1:]]).any(), f"call {i}: wrote outside the row"
@@ -350,7 +382,7 @@ def test_checksum_argument_is_checked():
     logits, ids, w, spec = _inputs(case, SEED)
     for bad in (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)):
         with pytest.raises(AssertionError, match="checksum"):
-            gpu_check.run_kernel(case, logits, ids, w, spec, checksum=bad)
+            gpu_cases.run_kernel(case, logits, ids, w, spec, checksum=bad)
 
 
 @needs_kernel
@@ -376,13 +408,13 @@ def test_softmax_ranks_by_logit_where_probabilities_tie():
     old selection score: ties to the lower id); a -inf logit is never piggybacked."""
     from sglang_oea.reference import opportunistic_route
 
-    logits, ids, w, spec = gpu_check.probability_tie_inputs(DEVICE)
+    logits, ids, w, spec = gpu_score_bits.probability_tie_inputs(DEVICE)
     probs = logits.softmax(dim=1)
     case = Case(B=5, N=64, K=8, k0=3)
     by_logit = opportunistic_route(logits, probs, ids, w, 3)[0]
     by_probability = opportunistic_route(probs, probs, ids, w, 3)[0]
     assert (by_logit != by_probability).any(dim=1).all()  # every row tells the two apart
-    out_ids, out_w = gpu_check.run_kernel(case, logits, ids, w, spec)
+    out_ids, out_w = gpu_cases.run_kernel(case, logits, ids, w, spec)
     assert torch.equal(out_ids.long(), by_logit)
     _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
     assert 16 in out_ids[0, :3].tolist() and 16 not in out_ids[4][out_w[4] > 0].tolist()
@@ -394,12 +426,12 @@ def test_score_bits_check_in_the_interpreter(monkeypatch):
     1 / (1 + exp(-x)) (+ bias, one add) bit for bit, softmax's selection is the logit, and the
     near-tie batches route alike on both paths. Against torch's CPU sigmoid (another exp) the
     bitwise comparison must fail: it can tell."""
-    errors, lines = gpu_check.check_score_bits(DEVICE)
+    errors, lines = gpu_score_bits.check_score_bits(DEVICE)
     assert errors == [], errors
     assert len(lines) == 3 and "near tie" in lines[1] and "ok" in lines[2], lines
-    monkeypatch.setattr(gpu_check, "reference_sigmoid", torch.sigmoid)
-    x, bias = gpu_check.score_inputs(4 * gpu_check.SCORE_BLOCK, torch.Generator().manual_seed(3), DEVICE)
-    errors, _ = gpu_check.score_bits(x, bias)
+    monkeypatch.setattr(gpu_score_bits, "reference_sigmoid", torch.sigmoid)
+    x, bias = gpu_score_bits.score_inputs(4 * gpu_score_bits.SCORE_BLOCK, torch.Generator().manual_seed(3), DEVICE)
+    errors, _ = gpu_score_bits.score_bits(x, bias)
     assert any("sigmoid w:" in e for e in errors), errors
 
 
@@ -419,17 +451,19 @@ def test_is_available(monkeypatch):
 @needs_kernel
 def test_gpu_check_dry_run():
     """The prepared GPU script's CPU mode: correctness subset, the runtime path's warm-up / capture /
-    replay sequence (is_capturing forced on) and the kernel's graph-free replay sequence."""
+    replay sequence (is_capturing forced on), live settings changed between replays of one capture,
+    and the kernel's graph-free replay sequence."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "python"))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmark/oea/gpu_check.py"), "--dry-run"],
+        [sys.executable, str(REPO / "benchmark/oea/gpu/gpu_check.py"), "--dry-run"],
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=360,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check 5 (runtime path" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout[-3000:]
+    assert "check 10 (live settings" in proc.stdout, proc.stdout[-3000:]
     assert "dry run: all checks passed" in proc.stdout
 
 

@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.server
 
-from ab_serving import child_env, cpu_server
+from serving.servers import child_env, cpu_server
 from sglang_oea.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -86,7 +86,7 @@ def greedy_texts(base):
 
 def heldout_prompts(model_dir):
     """HELDOUT_PROMPTS held-out windows of HELDOUT_PROMPT_LEN token ids (never trained on)."""
-    from heldout import heldout_windows
+    from common.heldout import heldout_windows
 
     return heldout_windows(model_dir, HELDOUT_PROMPTS, HELDOUT_PROMPT_LEN).tolist()
 
@@ -154,9 +154,15 @@ def test_plugin_installed_but_off_changes_nothing(tmp_path_factory, models, plai
     with serve(tmp_path_factory, models["qwen3_moe_trained"], *FP32, "--enable-metrics") as (base, log):
         assert greedy_ids(base, plain_qwen["prompts"]) == plain_qwen["ids"]
         names = {n for n, _ in scrape(base)}
+        # The live settings need OEA installed: refused, with the way to arm it.
+        assert json.loads(post(base + "/set_internal_state", {"server_args": {"oea_k0": 1}})) == [False]
+        assert "oea" not in json.loads(urllib.request.urlopen(base + "/server_info", timeout=30).read())["internal_states"][0]
     assert not any("oea" in n for n in names)
     assert names == plain_qwen["metric_names"]
-    assert "sglang-oea rank" not in open(log).read()
+    text = open(log).read()
+    assert "sglang-oea rank" not in text
+    assert ('sglang-oea: refused {"oea_k0": 1}: OEA is not installed on this server (it was started without '
+            "--oea-k0); start the server with --oea-k0 0 to arm OEA without turning it on") in text
 
 
 def test_k0_at_least_top_k_is_identical_to_plain(tmp_path_factory, models, plain_qwen):
@@ -286,7 +292,7 @@ def check_router_dump(dump, num_experts, layers):
     assert (record["scoring_func"], record["num_expert_group"], record["topk_group"], record["top_k"]) == ("sigmoid", 8, 4, TOP_K)
     assert record["correction_bias"].shape == (num_experts,)
     here = os.path.dirname(os.path.abspath(__file__))
-    simulate = os.path.join(here, "..", "..", "benchmark", "oea", "simulate.py")
+    simulate = os.path.join(here, "..", "..", "benchmark", "oea", "studies", "simulate.py")
     proc = subprocess.run([sys.executable, simulate, "--dump-dir", dump, "--k0", "3", "--out-dir", os.path.join(dump, "sim")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

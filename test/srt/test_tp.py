@@ -10,6 +10,7 @@ weights, where routing moves greedy tokens, and k0=1 shows that they can fail. O
 time (2 cores).
 """
 
+import json
 import os
 import re
 import textwrap
@@ -19,6 +20,7 @@ import urllib.request
 import pytest
 import torch
 
+from test_live_settings import changes_logged
 from test_server_e2e import (TOP_K, concurrent, greedy_ids, heldout_prompts, models, oea_value, post,  # noqa: F401
                              scrape, serve)
 
@@ -138,7 +140,32 @@ def test_ranks_route_alike_under_load(request, tmp_path_factory, models, arch, k
             # time) changes greedy outputs.
             plain = request.getfixturevalue("plain_tp2")
             assert greedy_ids(base, plain["prompts"]) != plain["ids"]
+            check_live_changes(base, log)
     assert rank_lines(log, rf"sglang-oea rank \d: OEA on, k0={k0} .* check_ranks=1") == {"0": 1, "1": 1}
+
+
+LIVE_CHANGES = ({"oea_k0": 3}, {"oea_k0": 0}, {"oea_k0": 2, "oea_min_batch": 2, "oea_max_batch": 8})
+
+
+def check_live_changes(base, log):
+    """POST /set_internal_state reaches both ranks in the same scheduler iteration (SGLang
+    broadcasts control requests over the TP group): each change lands at the same routed step on
+    both, and the rank check keeps passing under load between the changes."""
+    checks = oea_value(scrape(base), "sglang:oea_rank_checks_total", tp_rank="1")
+    logged = len(changes_logged(log))
+    for settings in LIVE_CHANGES:
+        assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True]
+        assert all(r["usage"]["completion_tokens"] == 12 for r in concurrent(base, 4, 12))
+    by_rank = {}
+    for rank, _, new, step in changes_logged(log)[logged:]:
+        by_rank.setdefault(rank, []).append((new, step))
+    assert [new for new, _ in by_rank["0"]] == ["k0=3 min_batch=1 max_batch=0", "k0=0 min_batch=1 max_batch=0",
+                                                "k0=2 min_batch=2 max_batch=8"]
+    assert by_rank["0"] == by_rank["1"], "both ranks switch at the same routed step"
+    metrics = scrape(base)
+    assert oea_value(metrics, "sglang:oea_rank_checks_total", tp_rank="1") > checks + 20
+    assert [oea_value(metrics, "sglang:oea_k0", tp_rank=rank) for rank in RANKS] == [2, 2]
+    assert "routed different experts" not in open(log).read()
 
 
 # Loaded by every server process through PYTHONPATH: the last rank's layer-0 checksum, as every rank

@@ -15,7 +15,7 @@ import torch
 
 from oea_fixtures import assert_reference_routing, router_inputs, topk_config
 from sglang_oea import hooks, metrics
-from sglang_oea.config import OEAConfig
+from sglang_oea.config import LiveSettings, OEAConfig
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime
 
 DRAFTS, K0 = 4, 3
@@ -102,7 +102,8 @@ def forward(batch, body):
 
 
 def runner_of(draft):
-    return types.SimpleNamespace(is_draft_worker=draft, model_runner=types.SimpleNamespace(is_draft_worker=draft))
+    return types.SimpleNamespace(is_draft_worker=draft, model_runner=types.SimpleNamespace(is_draft_worker=draft),
+                                 capture_bs=[1, 2, 4, 8])
 
 
 def test_target_verify_pass_is_routed_over_its_token_rows(runtime):
@@ -162,6 +163,15 @@ def test_startup_line_says_whether_verify_passes_are_routed():
     assert "not routed (--oea-verify off)" in hooks.speculative_note(OEAConfig(k0=K0, verify=False), "EAGLE")
 
 
+def test_startup_line_says_how_many_verify_requests_the_cap_admits():
+    """--oea-max-batch counts rows: under EAGLE with 4 draft tokens, a cap of 128 is 32 requests;
+    a cap below min-batch x draft tokens leaves OEA off in every verify pass, and the line says so."""
+    note = hooks.speculative_note(OEAConfig(k0=K0, max_batch=128), "EAGLE", 4)
+    assert "at most 32 requests of 4 draft tokens under the cap" in note and "applies in no verify pass" not in note
+    note = hooks.speculative_note(OEAConfig(k0=K0, min_batch=4, max_batch=8), "EAGLE", 4)
+    assert "OEA applies in no verify pass: --oea-max-batch 8 rows is below --oea-min-batch 4 requests x 4" in note
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -181,24 +191,59 @@ class FakeMetric:
                                      set=lambda value: samples.__setitem__(key, value))
 
 
-def test_step_counters_carry_the_pass_mode(monkeypatch):
+@pytest.fixture
+def fake_prometheus(monkeypatch):
     import prometheus_client
 
     monkeypatch.setattr(prometheus_client, "Counter", FakeMetric)
     monkeypatch.setattr(prometheus_client, "Gauge", FakeMetric)
+    return FakeMetric.made
+
+
+BASE_LABELS = {("model_name", "m"), ("tp_rank", "0")}
+
+
+def labelled(**labels):
+    return frozenset(BASE_LABELS | set(labels.items()))
+
+
+def test_step_counters_carry_the_pass_mode_and_k0(fake_prometheus):
     rt = OEARuntime(OEAConfig(k0=K0), speculative=True)
-    export = metrics.PrometheusExport("m", 0, K0, speculative=True)
-    applied = FakeMetric.made["sglang:oea_decode_steps_applied"].samples
-    skipped = FakeMetric.made["sglang:oea_decode_steps_skipped"].samples
-    base = {("model_name", "m"), ("tp_rank", "0")}
-    assert applied == {frozenset(base | {("mode", "verify")}): 0}, "the server's routed mode is exported from the start"
+    export = metrics.PrometheusExport("m", 0, rt.settings, speculative=True)
+    applied = fake_prometheus["sglang:oea_decode_steps_applied"].samples
+    skipped = fake_prometheus["sglang:oea_decode_steps_skipped"].samples
+    assert applied == {labelled(mode="verify", k0="3"): 0}, "the server's routed mode is exported from the start"
     for mode, reason in ((VERIFY, None), (VERIFY, None), (VERIFY, "below_min_batch"), (OTHER, "not_decode")):
         rt.count(mode, reason)
     export.publish(rt, None)
     rt.count(VERIFY, None)
     export.publish(rt, None)
-    assert applied == {frozenset(base | {("mode", "verify")}): 3}
-    assert skipped == {frozenset(base | {("mode", "verify"), ("reason", "below_min_batch")}): 1,
-                       frozenset(base | {("mode", "other"), ("reason", "not_decode")}): 1}
+    assert applied == {labelled(mode="verify", k0="3"): 3}
+    assert skipped == {labelled(mode="verify", reason="below_min_batch", k0="3"): 1,
+                       labelled(mode="other", reason="not_decode", k0="3"): 1}
     assert metrics.summary(rt, None) == "OEA k0=3: applied 3/4 verify steps"
     assert metrics.summary(OEARuntime(OEAConfig(k0=K0)), None) == "OEA k0=3: applied 0/0 decode steps"
+
+
+def test_steps_are_attributed_to_the_k0_they_ran_with(fake_prometheus):
+    """Live settings: each step is counted under the k0 in force when it ran; the gauges and the
+    'Decode batch' summary show the settings in force."""
+    rt = OEARuntime(OEAConfig(k0=0, min_batch=1, max_batch=16))
+    export = metrics.PrometheusExport("m", 0, rt.settings)
+    gauges = {field: fake_prometheus[f"sglang:oea_{field}"].samples for field in ("k0", "min_batch", "max_batch")}
+    assert {field: samples[labelled()] for field, samples in gauges.items()} == {"k0": 0, "min_batch": 1, "max_batch": 16}
+    rt.count(DECODE, "oea_off")
+    assert metrics.summary(rt, None) == "OEA k0=0 (off): applied 0/1 decode steps"
+    rt.request_settings(LiveSettings(2, 2, 8))
+    rt.apply_pending()
+    rt.count(DECODE, None)
+    rt.count(DECODE, None)
+    rt.count(DECODE, "below_min_batch")
+    export.publish(rt, None)
+    applied = fake_prometheus["sglang:oea_decode_steps_applied"].samples
+    skipped = fake_prometheus["sglang:oea_decode_steps_skipped"].samples
+    assert applied == {labelled(mode="decode", k0="0"): 0, labelled(mode="decode", k0="2"): 2}
+    assert skipped == {labelled(mode="decode", reason="oea_off", k0="0"): 1,
+                       labelled(mode="decode", reason="below_min_batch", k0="2"): 1}
+    assert {field: samples[labelled()] for field, samples in gauges.items()} == {"k0": 2, "min_batch": 2, "max_batch": 8}
+    assert metrics.summary(rt, None) == "OEA k0=2: applied 2/3 decode steps", "the steps that ran with the k0 in force"

@@ -133,7 +133,13 @@ def test_wheel_carries_entry_point_stub_and_pin(wheel):
     for module in ("plugin.py", "hooks.py", "cpu_serve.py", "kernels/oea_route.py", "cpu_stub/sgl_kernel/__init__.py"):
         assert f"sglang_oea/{module}" in names, f"{module} missing from {wheel}: {sorted(names)}"
     assert "[sglang.srt.plugins]" in entry_points and ENTRY_POINT in entry_points, entry_points
-    assert "Requires-Dist: sglang==0.5.23" in metadata.splitlines(), metadata
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from sglang_oea.flags import SUPPORTED_SGLANG_SPEC
+
+    pins = [Requirement(line.split(":", 1)[1]) for line in metadata.splitlines() if line.startswith("Requires-Dist: sglang")]
+    assert [(r.name, r.specifier) for r in pins] == [("sglang", SpecifierSet(SUPPORTED_SGLANG_SPEC))], metadata
 
 
 def test_wheel_installs_beside_sglang_and_the_plugin_loads(wheel, tmp_path):

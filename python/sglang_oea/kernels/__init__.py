@@ -1,5 +1,10 @@
 """Fused OEA routing kernels (Triton). The pure-torch sglang_oea.routing stays the CPU path.
 
+    oea_route   the two kernels, their math and shapes, and the launcher `oea_route`
+    workspace   OEAWorkspace, the buffers a call writes into (preallocated for CUDA graphs)
+    launch      KernelLaunch, one planned launch and the compiled variant it needs
+    checks      the checks of one call's arguments (shapes, dtypes, devices: no device sync)
+
 Importing this package never fails: without Triton, `is_available()` is False and `oea_route`
 raises. Nothing here imports SGLang.
 """

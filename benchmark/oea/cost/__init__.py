@@ -1,0 +1,1 @@
+"""CPU costs of the OEA routing path and of the --oea-check-ranks guard."""

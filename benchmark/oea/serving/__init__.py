@@ -1,0 +1,1 @@
+"""Serving benchmarks: OEA against plain routing through real SGLang servers (speed and output quality)."""

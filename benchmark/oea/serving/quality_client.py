@@ -1,0 +1,78 @@
+"""The quality A/B's client: every prompt of an arm through one OpenAI-compatible server, greedy,
+a fixed number of requests in flight, in order. Standard library only.
+
+Tokens are compared by id: SGLang's /v1/completions returns the generated ids in
+choices[0].token_ids when asked with "return_token_ids": true (logprobs tokens are display
+strings, and two ids can render the same).
+"""
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Optional, Sequence
+
+from serving.oea_metrics import applied_share
+from serving.quality_inputs import Item, Prompt, prompts_digest
+from serving.servers import http_json
+
+
+def fetch_text(url: str, timeout: float = 30.0) -> Optional[str]:
+    """Body of a GET, or None when the server does not serve it (404, connection refused...)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def served_model(base_url: str) -> str:
+    """The first id of /v1/models, or 'default' when the server lists none."""
+    body = fetch_text(base_url + "/v1/models")
+    try:
+        models = json.loads(body)["data"] if body else []
+    except (ValueError, KeyError, TypeError):
+        models = []
+    return models[0]["id"] if models and isinstance(models[0], dict) and "id" in models[0] else "default"
+
+
+def flush_cache(base_url: str) -> bool:
+    """Ask SGLang to drop its prefix cache (so both arms prefill alike); False if not supported."""
+    request = urllib.request.Request(base_url + "/flush_cache", b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def complete(base_url: str, model: str, prompt: Prompt, opts: argparse.Namespace) -> Dict:
+    """One greedy completion: {"text", "token_ids", "finish_reason"}."""
+    payload = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
+               "max_tokens": opts.max_tokens, "temperature": 0, "return_token_ids": True}
+    if opts.ignore_eos:
+        payload["ignore_eos"] = True
+    choice = http_json(base_url + "/v1/completions", payload, opts.timeout)["choices"][0]
+    if choice.get("token_ids") is None:
+        raise RuntimeError(f"{base_url}: no choices[0].token_ids in the answer; the server must support "
+                           "SGLang's return_token_ids")
+    return {"text": choice["text"], "token_ids": choice["token_ids"], "finish_reason": choice.get("finish_reason")}
+
+
+def run_arm(name: str, base_url: str, items: Sequence[Item], opts: argparse.Namespace) -> Dict:
+    """All prompts through one server, `opts.concurrency` in flight, in order; the arm record."""
+    base_url = base_url.rstrip("/")
+    model = opts.model or served_model(base_url)
+    flushed = flush_cache(base_url)
+    metrics_before = fetch_text(base_url + "/metrics")
+    start = time.time()
+    print(f"[quality] arm {name}: {len(items)} prompts at concurrency {opts.concurrency} -> {base_url}", flush=True)
+    with ThreadPoolExecutor(opts.concurrency) as pool:
+        outputs = list(pool.map(lambda it: complete(base_url, model, it.prompt, opts), items))
+    elapsed = time.time() - start
+    return {"name": name, "url": base_url, "model": model, "concurrency": opts.concurrency,
+            "max_tokens": opts.max_tokens, "ignore_eos": opts.ignore_eos, "prompts_sha256": prompts_digest(items),
+            "cache_flushed": flushed, "elapsed_s": elapsed, "outputs": outputs,
+            "oea_steps": applied_share(metrics_before, fetch_text(base_url + "/metrics"))}

@@ -1,0 +1,1 @@
+"""Offline studies of routing: the simulator, router statistics, quality against T, policies."""

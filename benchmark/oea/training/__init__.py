@@ -1,0 +1,1 @@
+"""Training of the small MoE checkpoints shipped in benchmark/oea/models/."""

@@ -1,0 +1,213 @@
+"""OEA's live settings: k0 and the batch gate changed on a running server, through SGLang's own
+`/set_internal_state`, and read back in `/server_info`. No SGLang import at module level.
+
+    POST /set_internal_state {"server_args": {"oea_k0": 4, "oea_min_batch": 8, "oea_max_batch": 64}}
+      -> [true]   accepted: every TP rank (each handles the request in the same scheduler
+                  iteration) requested the change; it takes effect at the next forward pass
+      -> [false]  refused; nothing changed; each rank logged one line with the key, the value and
+                  what is allowed
+      (one bool per data-parallel rank; OEA refuses DP > 1, so one)
+    GET /server_info -> internal_states[i]["oea"] = {"k0", "min_batch", "max_batch" (in force),
+                        "pending" (requested, not yet reached a pass), "envelope" (the startup gate)}
+
+The rules are the flags' own (sglang_oea.config), checked on the settings the whole request
+would leave in force (the settings requested last, with the request's keys merged in):
+    oea_k0         an integer >= 0 (0 = off: the router's own experts; >= top-k = a no-op)
+    oea_min_batch  an integer >= 1, and >= the startup --oea-min-batch
+    oea_max_batch  an integer, 0 (no cap) or >= oea_min_batch; when the startup --oea-max-batch is
+                   > 0, at most that (0 is then outside the envelope too)
+Why the envelope: CUDA graphs of the batch sizes outside the startup gate were captured without
+OEA routing, so the gate cannot open there without a restart (with wider flags).
+Not a bool, not a float (3.0 included). SGLang's HTTP parsing (pydantic, lax) turns JSON true/false
+and numeric strings into integers before any handler sees them; other strings and null are
+refused there (HTTP 400). One request is applied whole or not at all: SGLang validates every key
+before it applies any, and the OEA keys are checked together. These keys are not ServerArgs
+fields: they never enter SGLang's config override.
+
+SGLang side (`SchedulerInternalStateController`, hooked by sglang_oea.hooks in scheduler processes):
+    _update_handlers     adds one handler per key: validate (rules above), apply (request the
+                         change from the runtime, once per request); on a server started without
+                         --oea-k0, a handler that refuses with NOT_INSTALLED
+    set_internal_state   the request being handled, for the checks across keys
+    get_internal_state   internal_states[i]["oea"] (state_of)
+"""
+
+import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional
+
+from sglang_oea.config import LiveSettings, OEAConfig, check_batch_window, require_int
+
+# POST key -> LiveSettings field (and /server_info key); the smallest value each takes.
+LIVE_KEYS = {"oea_k0": "k0", "oea_min_batch": "min_batch", "oea_max_batch": "max_batch"}
+MINIMUM = {"oea_k0": 0, "oea_min_batch": 1, "oea_max_batch": 0}
+MEANING = {"oea_k0": " (0 = OEA off)", "oea_min_batch": "", "oea_max_batch": " (0 = no cap)"}
+NOT_INSTALLED = ("OEA is not installed on this server (it was started without --oea-k0); start the server "
+                 "with --oea-k0 0 to arm OEA without turning it on")
+WHY_ENVELOPE = ("CUDA graphs were captured without OEA routing for batch sizes outside the startup window; "
+                "restart with a wider --oea-min-batch / --oea-max-batch to widen it")
+
+
+class SettingRefused(ValueError):
+    """A live change OEA refuses; its message names the key, the value and what is allowed."""
+
+
+def check_values(requested: Mapping[str, Any]) -> None:
+    """Each OEA key's value alone: an integer in its range. Raises SettingRefused."""
+    for key, value in requested.items():
+        try:
+            require_int(key, value, MINIMUM[key])
+        except ValueError as exc:
+            raise SettingRefused(f"{exc}{MEANING[key]}") from None
+
+
+def check_envelope(new: LiveSettings, startup: OEAConfig) -> None:
+    """The gate may only narrow the startup window. Raises SettingRefused."""
+    if new.min_batch < startup.min_batch:
+        raise SettingRefused(f"oea_min_batch must be >= {startup.min_batch}, the server's --oea-min-batch, "
+                             f"got {new.min_batch} ({WHY_ENVELOPE})")
+    if startup.max_batch and not 0 < new.max_batch <= startup.max_batch:
+        raise SettingRefused(f"oea_max_batch must be between oea_min_batch and {startup.max_batch}, the server's "
+                             f"--oea-max-batch (0, no cap, is outside it), got {new.max_batch} ({WHY_ENVELOPE})")
+
+
+def check_request(current: LiveSettings, requested: Mapping[str, Any], startup: OEAConfig) -> LiveSettings:
+    """The settings a request's OEA keys leave in force, merged into `current`.
+
+    Args:
+        current: the settings requested last (pending, else in force).
+        requested: {POST key: value}, OEA keys only.
+        startup: the server's startup config (its gate is the envelope).
+    Raises SettingRefused: the message starts with the request and names what is allowed.
+    """
+    try:
+        check_values(requested)
+        new = replace(current, **{LIVE_KEYS[key]: value for key, value in requested.items()})
+        try:
+            check_batch_window("oea_min_batch", new.min_batch, "oea_max_batch", new.max_batch)
+        except ValueError as exc:
+            raise SettingRefused(f"{exc} (in force after this request: oea_min_batch {new.min_batch}, "
+                                 f"oea_max_batch {new.max_batch})") from None
+        check_envelope(new, startup)
+    except SettingRefused as exc:
+        raise SettingRefused(f"sglang-oea: refused {json.dumps(dict(requested))}: {exc}; nothing changed") from None
+    return new
+
+
+def oea_part(request: Mapping[str, Any]) -> Dict[str, Any]:
+    """The OEA keys of a /set_internal_state request."""
+    return {key: value for key, value in request.items() if key in LIVE_KEYS}
+
+
+def state_of(runtime: Any) -> Dict[str, Any]:
+    """internal_states[i]["oea"] of /server_info: the settings in force, the pending change if
+    any, and the startup envelope."""
+    state: Dict[str, Any] = asdict(runtime.settings)
+    if runtime.pending is not None:
+        state["pending"] = asdict(runtime.pending)
+    state["envelope"] = {"min_batch": runtime.cfg.min_batch, "max_batch": runtime.cfg.max_batch}
+    return state
+
+
+# ----------------------------------------------------------------------------- SGLang's handlers
+
+
+@dataclass
+class _Request:
+    """One /set_internal_state request in a scheduler: its OEA keys and what they leave in force."""
+
+    keys: Dict[str, Any]
+    new: Optional[LiveSettings] = None
+    applied: bool = False
+
+
+_request: Optional[_Request] = None
+
+
+@contextmanager
+def whole_request(server_args: Mapping[str, Any]) -> Iterator[None]:
+    """While SGLang handles one request: the handlers see all of its OEA keys."""
+    global _request
+    previous, _request = _request, _Request(oea_part(server_args))
+    try:
+        yield
+    finally:
+        _request = previous
+
+
+class Handler(NamedTuple):
+    """What SGLang's controller calls for a key: validate(key, value), then apply(key, value)."""
+
+    validate: Callable[[str, Any], None]
+    apply: Callable[[str, Any], Optional[dict]]
+
+
+def handlers(runtime: Any) -> Dict[str, Handler]:
+    """A handler per OEA key: with the runtime, validate and request; without (OEA not
+    installed), refuse."""
+    if runtime is None:
+        handler = Handler(refuse_not_installed, lambda key, value: None)
+    else:
+        handler = Handler(lambda key, value: validate(runtime, key, value),
+                          lambda key, value: apply(runtime, key, value))
+    return dict.fromkeys(LIVE_KEYS, handler)
+
+
+def rejected(message: str) -> Exception:
+    """SGLang's refusal: the controller logs its message once and replies {"updated": false}."""
+    from sglang.srt.managers.scheduler_components.internal_state import UpdateRejected
+
+    return UpdateRejected(message)
+
+
+def refuse_not_installed(key: str, value: Any) -> None:
+    raise rejected(f"sglang-oea: refused {json.dumps({key: value})}: {NOT_INSTALLED}")
+
+
+def request_of(runtime: Any, key: str, value: Any) -> _Request:
+    """The request being handled, its OEA keys checked together once; outside set_internal_state
+    (a caller of the controller's handlers other than SGLang's), this key alone. Raises SGLang's
+    UpdateRejected."""
+    request = _request if _request is not None and key in _request.keys else _Request({key: value})
+    if request.new is None:
+        try:
+            request.new = check_request(runtime.pending or runtime.settings, request.keys, runtime.cfg)
+        except SettingRefused as exc:
+            raise rejected(str(exc)) from None
+    return request
+
+
+def validate(runtime: Any, key: str, value: Any) -> None:
+    request_of(runtime, key, value)
+
+
+def apply(runtime: Any, key: str, value: Any) -> None:
+    """Every key of the request validated: request the settings it leaves in force, once per
+    request (no SGLang config override)."""
+    request = request_of(runtime, key, value)
+    if not request.applied:
+        runtime.request_settings(request.new)
+        request.applied = True
+
+
+# ----------------------------------------------------------------------------- sglang.Engine
+
+
+def set_engine_settings(engine: Any, oea_k0: Optional[int] = None, oea_min_batch: Optional[int] = None,
+                        oea_max_batch: Optional[int] = None) -> List[bool]:
+    """What POST /set_internal_state does, for an in-process `sglang.Engine` (SGLang 0.5.23's
+    Engine has no such method). Returns SGLang's reply, one bool per data-parallel rank; False =
+    refused (the reason is in the log). Raises ValueError before sending a value that is not an
+    integer in its key's range (a bool would not survive SGLang's IPC decoding).
+    Read back with engine.get_server_info()["internal_states"][0]["oea"].
+    """
+    from sglang.srt.managers.io_struct import SetInternalStateReq
+
+    given = {"oea_k0": oea_k0, "oea_min_batch": oea_min_batch, "oea_max_batch": oea_max_batch}
+    settings = {key: value for key, value in given.items() if value is not None}
+    if not settings:
+        raise ValueError(f"set_engine_settings: give at least one of {', '.join(LIVE_KEYS)}")
+    check_values(settings)
+    request = SetInternalStateReq(server_args=settings)
+    return engine.loop.run_until_complete(engine.tokenizer_manager.set_internal_state(request))

@@ -1,0 +1,138 @@
+"""What forward pass is running, and the batch gate over it. No SGLang import.
+
+The forward-context hook describes each pass to the runtime as a StepInfo: its mode (decode,
+target verify, draft or other), its token rows and requests, and whether it is a CUDA-graph
+warm-up or capture pass. What happens to the routing during the pass is kept in its PassTally,
+which the accounting (sglang_oea.accounting) reads when the pass ends.
+
+Each pass routes with the LiveSettings (k0, min_batch, max_batch) in force when it began
+(OEARuntime.request_settings changes them between passes). k0 = 0 turns OEA off; k0 >= the
+layer's top-k makes it a no-op.
+
+The batch gate: its floor (min_batch) counts requests; its cap (max_batch) counts routed token
+rows (requests x draft tokens in verify), since the union's coverage of the experts grows with
+rows. Eager passes are gated on the host (`skip_reason`); graph passes on the device at replay,
+from the settings' device control block (`row_bounds` gives the same bounds in rows), and a graph
+bucket whose every batch is outside the startup envelope is captured without routing
+(`bucket_may_open`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple
+
+from sglang_oea.config import LiveSettings, OEAConfig
+
+DECODE, VERIFY, DRAFT, OTHER = "decode", "verify", "draft", "other"
+ROUTED_MODES = (DECODE, VERIFY)
+SKIP_BELOW_MIN = "below_min_batch"
+SKIP_ABOVE_MAX = "above_max_batch"
+SKIP_NOT_DECODE = "not_decode"
+SKIP_VERIFY = "target_verify"
+SKIP_NO_IDS = "no_topk_ids"
+SKIP_UNSUPPORTED = "router_unsupported"
+SKIP_NOOP = "k0_covers_top_k"
+SKIP_KERNEL_OFF = "kernel_off"
+SKIP_OFF = "oea_off"  # k0 = 0: armed, but off (the router's own experts)
+# The settings of the placeholder step that describes no pass.
+NO_SETTINGS = LiveSettings(k0=0, min_batch=1, max_batch=0)
+
+
+@dataclass
+class PassTally:
+    """What happened to the routing during one outermost forward pass (nested contexts share it)."""
+
+    rewrote: bool = False  # OEA rewrote the ids of some MoE layer
+    unsupported: bool = False  # a target MoE layer has a router OEA does not handle
+    noop: bool = False  # k0 >= the layer's top-k
+    kernel_off: bool = False  # OEA is off for a layer's routing shape (kernel failed or unavailable on CUDA)
+    replayed_bucket: Optional[int] = None  # the graph (bucket in requests) replayed for this pass
+    rows_written: bool = False  # the device row count holds this pass's real rows
+    top_k: int = 0  # the largest top-k of the layers OEA routed in this pass
+
+    def outcome(self) -> Optional[str]:
+        """None when OEA rewrote ids, else the skip reason."""
+        if self.rewrote:
+            return None
+        if self.kernel_off:
+            return SKIP_KERNEL_OFF
+        return SKIP_UNSUPPORTED if self.unsupported else SKIP_NOOP if self.noop else SKIP_NO_IDS
+
+
+@dataclass
+class StepInfo:
+    """What the current forward pass is: set by the forward-context hook.
+
+    num_rows: the pass's token rows: requests in decode, requests x draft tokens in verify (graph
+        warm-up and capture passes: the bucket's rows, padding included).
+    requests: the pass's requests (the bucket size in graph passes); the batch gate counts these.
+    settings: the live settings the pass routes with (those in force when its outermost context
+        began; nested contexts share them).
+    """
+
+    mode: str = OTHER
+    num_rows: int = 0
+    requests: int = 0
+    apply: bool = False  # the host batch gate (real requests; eager passes)
+    graph: bool = False  # a CUDA-graph warm-up or capture pass
+    index: int = -1  # routed steps counted before this one (router dumps)
+    tally: PassTally = field(default_factory=PassTally)
+    settings: LiveSettings = NO_SETTINGS
+
+    @property
+    def routed(self) -> bool:
+        """A pass whose MoE layers OEA may route (decode, or the target's verify)."""
+        return self.mode in ROUTED_MODES
+
+    @property
+    def rows_per_request(self) -> int:
+        """Token rows per request: 1 in decode, the draft tokens per request in verify."""
+        return max(1, self.num_rows // self.requests) if self.requests else 1
+
+
+def skip_reason(settings: LiveSettings, verify: bool, mode: str, requests: int, rows: int) -> Optional[str]:
+    """Why the host gate keeps OEA off this pass, or None when it may apply. verify: --oea-verify.
+    The floor counts requests (a verify pass of one request routes one sequence's draft tokens);
+    the cap counts token rows (requests x draft tokens in verify), where the union's coverage is
+    decided. k0 >= the layer's top-k is found per layer (PassTally.noop), not here."""
+    if mode == VERIFY and not verify:
+        return SKIP_VERIFY
+    if mode not in ROUTED_MODES:
+        return SKIP_NOT_DECODE
+    if settings.k0 == 0:
+        return SKIP_OFF
+    if requests < settings.min_batch:
+        return SKIP_BELOW_MIN
+    if settings.max_batch and rows > settings.max_batch:
+        return SKIP_ABOVE_MAX
+    return None
+
+
+def bucket_may_open(cfg: OEAConfig, step: StepInfo, graph_buckets: Sequence[int]) -> bool:
+    """Whether some real batch served by this graph bucket passes the gate, under the STARTUP
+    min_batch and max_batch (cfg), whatever k0 is (k0 = 0 or >= top-k closes the device gate at
+    replay instead, so that a later k0 routes without recapture).
+
+    The startup envelope rule: live settings may only narrow the gate that the graphs were
+    captured for, never widen it. A live min_batch must be >= the startup --oea-min-batch, and,
+    when the startup --oea-max-batch is > 0, a live max_batch must be > 0 and <= it (a startup cap
+    of 0, no cap, admits any live cap). Under that rule a bucket captured without routing serves
+    only batches that every admissible live gate keeps closed. The /set_internal_state handler
+    refuses values outside it.
+
+    A bucket serves batches of (the previous bucket, this bucket] requests (SGLang pads a batch up
+    to the smallest bucket that holds it); with the runner's bucket list unknown, of [1, bucket].
+    """
+    if step.requests < cfg.min_batch:
+        return False
+    smaller = [b for b in graph_buckets if b < step.requests]
+    fewest = max(max(smaller) + 1 if smaller else 1, cfg.min_batch)  # the fewest it may route
+    return not cfg.max_batch or fewest * step.rows_per_request <= cfg.max_batch
+
+
+def row_bounds(settings: LiveSettings, step: StepInfo) -> Tuple[int, int]:
+    """(min_rows, max_rows) of the device gate, which compares token rows. The request floor is
+    scaled by the rows per request: a verify pass has requests x draft tokens rows, the same for
+    every request (SGLang replays a verify graph only for batches of its captured width), so the
+    scaled floor opens exactly when the request floor does. The cap already counts rows. The fused
+    kernel computes the same bounds on the device from the control block and rows_per_request."""
+    return settings.min_batch * step.rows_per_request, settings.max_batch
