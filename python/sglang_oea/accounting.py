@@ -29,13 +29,27 @@ class PassAccounts:
     def __init__(self, cfg: OEAConfig):
         self.cfg = cfg
         self.routed_steps = 0  # decode and verify steps counted (applied or skipped)
-        self.applied: Counter = Counter()  # pass mode -> steps whose ids OEA rewrote
-        self.skipped: Counter = Counter()  # (pass mode, reason) -> steps without OEA
         self.captured: Dict[Tuple[str, int], Optional[str]] = {}  # (mode, bucket) -> outcome of its capture
         self.captured_top_k: Dict[Tuple[str, int], int] = {}  # (mode, bucket) -> top-k of the layers it routed
         self.applied_by_k0: Counter = Counter()  # (pass mode, k0) -> steps whose ids OEA rewrote
         self.skipped_by_k0: Counter = Counter()  # (pass mode, k0, reason) -> steps without OEA
         self.warned_no_ids = False
+
+    @property
+    def applied(self) -> Counter:
+        """pass mode -> steps whose ids OEA rewrote, over every k0."""
+        by_mode: Counter = Counter()
+        for (mode, _), count in self.applied_by_k0.items():
+            by_mode[mode] += count
+        return by_mode
+
+    @property
+    def skipped(self) -> Counter:
+        """(pass mode, reason) -> steps without OEA, over every k0."""
+        by_reason: Counter = Counter()
+        for (mode, _, reason), count in self.skipped_by_k0.items():
+            by_reason[(mode, reason)] += count
+        return by_reason
 
     @property
     def applied_steps(self) -> int:
@@ -73,10 +87,8 @@ class PassAccounts:
         """One serving pass of `mode`, routed with `k0`: applied (reason None) or skipped with `reason`."""
         self.routed_steps += int(mode in ROUTED_MODES)
         if reason is None:
-            self.applied[mode] += 1
             self.applied_by_k0[(mode, k0)] += 1
             return
-        self.skipped[(mode, reason)] += 1
         self.skipped_by_k0[(mode, k0, reason)] += 1
         if reason == SKIP_NO_IDS and not self.warned_no_ids:
             self.warned_no_ids = True
