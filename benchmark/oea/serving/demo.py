@@ -27,9 +27,11 @@
    benchmarks on this machine, serving/demo_cost.py; --no-cost skips them), then ab_serving's full
    table; writes results.jsonl, results.md, results.png (ab_serving) and demo.md into --out-dir.
 
-The defaults (k0 4, C = 4 and 16, 3 repeats, 8*C prompts per run) are sized for a C=16 ratio within
-+-5% on a quiet 2-core machine in under 10 minutes (9.3 minutes on a loaded one, where C=16 gave
-1.08-1.15: not resolved, and the table says so). These are CPU numbers on a tiny model: they show that OEA acts end to end in a real
+The defaults (k0 4, C = 4 and 16, 3 repeats, 8*C prompts per run) take about 8 minutes on 2 cores.
+They were meant to resolve the C=16 ratio within +-5%; on this 2-core machine they do not, because
+the host's own speed swings by up to 2x from second to second (measured 2026-12-02 with
+studies/host_steadiness.py, see serving/README.md), and the table then says "not resolved" with
+the spread. These are CPU numbers on a tiny model: they show that OEA acts end to end in a real
 SGLang server (fewer distinct experts per decode step) and how that moves decode time on this
 machine, not what a GPU deployment of a large model gains. See benchmark/oea/serving/README.md.
 """
