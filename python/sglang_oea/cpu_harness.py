@@ -12,6 +12,11 @@ Why it exists:
 - `--speculative-algorithm`: the CPU attention backend (`torch_native`) has no target-verify
   path: it reads `extend_prefix_lens`, which verify batches leave unset, and fails. The hook runs
   verify passes through `verify_attention` below (tree-masked attention over the KV cache).
+- MLA (the DeepSeek-V2/V3 family, GLM-5's attention): `torch_native` cannot run the expanded
+  multi-head path SGLang picks for a prefill with no cached prefix; cpu_mla.py sends it through
+  the absorbed MLA path instead.
+- `--speculative-algorithm EAGLE` with an MTP draft: cpu_eagle.py (draft attention backends on
+  `torch_native`, no CUDA synchronisation on the CPU).
 
 It is a separate plugin from `oea` so that a baseline can load it alone
 (SGLANG_PLUGINS=oea_cpu_harness): plain SGLang routing, on the CPU.
@@ -20,6 +25,7 @@ It is a separate plugin from `oea` so that a baseline can load it alone
 import importlib.util
 import os
 
+from sglang_oea import cpu_eagle, cpu_mla
 from sglang_oea.cpu_serve import STUB_DIR
 
 PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
@@ -93,3 +99,5 @@ def register() -> None:
 
     HookRegistry.register(PARALLEL_GROUP, cpu_group_kwargs, HookType.BEFORE)
     HookRegistry.register(TORCH_NATIVE_EXTEND, verify_aware_extend, HookType.AROUND)
+    cpu_mla.register_hooks()  # MLA attention (DeepSeek-V2/V3, GLM-5) on torch_native
+    cpu_eagle.register()  # EAGLE / MTP drafts on the CPU engine (cpu_eagle.py)

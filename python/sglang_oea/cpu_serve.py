@@ -26,7 +26,9 @@ are satisfied. This sets that up and then hands over to `sglang serve` in a fres
   unbalanced" start-up error into its warning: the ranks share one RAM, so two readings of it a
   moment apart differ only when another process frees memory in between;
 - with --speculative-algorithm NGRAM: the stand-in's plain-torch speculative ops
-  (cpu_stub/sgl_kernel/cpu_bodies.py) and the harness plugin's verify attention run it.
+  (cpu_stub/sgl_kernel/cpu_bodies.py) and the harness plugin's verify attention run it; with
+  --speculative-algorithm EAGLE (an MTP draft from the same checkpoint), also the EAGLE ops
+  (cpu_stub/sgl_kernel/eagle_bodies.py) and the harness's draft backends (cpu_eagle.py).
 A default is added only when the caller did not give that flag.
 """
 

@@ -10,7 +10,9 @@ greedy token: a test that compares outputs needs real weights to be able to fail
 
 qwen3_moe: softmax routing (Qwen3MoeForCausalLM).
 glm4_moe:  sigmoid routing with a correction bias, expert groups and a shared expert
-           (Glm4MoeForCausalLM), the routing family of GLM-4.5 and GLM-5.
+           (Glm4MoeForCausalLM), the routing family of GLM-4.5 and GLM-5. --nextn-layers 1 adds
+           the MTP layer SGLang's EAGLE draft (Glm4MoeForCausalLMNextN) loads from the same
+           checkpoint (with --random-weights; dummy weights fill it too).
 The tokenizer is a small byte-level BPE trained here on a fixed text, so nothing is downloaded
 (benchmark/oea/training/train_moe.py trains it on its corpus instead, through write_model's `texts`).
 """
@@ -120,7 +122,7 @@ def glm4_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
         "moe_layer_freq": 1,
         "partial_rotary_factor": 0.5,
         "use_qk_norm": True,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": getattr(args, "nextn_layers", 0),  # train_moe's arguments have none
     }
 
 
@@ -136,14 +138,12 @@ def write_model(args: argparse.Namespace, texts: Optional[Iterable[str]] = None)
 
 
 def write_random_weights(directory: str, seed: int = 0, std: float = 0.02) -> None:
-    """model.safetensors (bf16, Qwen3-MoE checkpoint names) for the qwen3_moe config in `directory`."""
+    """model.safetensors (bf16, the architecture's checkpoint names) for the config in `directory`."""
     import torch
     from safetensors.torch import save_file
 
     with open(os.path.join(directory, "config.json")) as f:
         cfg = json.load(f)
-    hidden, inter, head_dim = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["head_dim"]
-    q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape):
@@ -152,20 +152,65 @@ def write_random_weights(directory: str, seed: int = 0, std: float = 0.02) -> No
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
+    build = glm4_moe_weights if cfg["model_type"] == "glm4_moe" else qwen3_moe_weights
+    save_file(build(cfg, normal, ones), os.path.join(directory, "model.safetensors"))
+
+
+def attention_weights(cfg: Dict, prefix: str, normal, ones) -> Dict:
+    """One layer's attention and norms (q/k/v/o projections, per-head q/k norms)."""
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    p, a = prefix, prefix + "self_attn."
+    return {p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
+            a + "q_proj.weight": normal(q_rows, hidden), a + "k_proj.weight": normal(kv_rows, hidden),
+            a + "v_proj.weight": normal(kv_rows, hidden), a + "o_proj.weight": normal(hidden, q_rows),
+            a + "q_norm.weight": ones(head_dim), a + "k_norm.weight": ones(head_dim)}
+
+
+def ffn_weights(prefix: str, hidden: int, inter: int, normal) -> Dict:
+    """A SwiGLU FFN's gate/up/down projections under `prefix` (an expert or a shared expert)."""
+    return {prefix + "gate_proj.weight": normal(inter, hidden), prefix + "up_proj.weight": normal(inter, hidden),
+            prefix + "down_proj.weight": normal(hidden, inter)}
+
+
+def qwen3_moe_weights(cfg: Dict, normal, ones) -> Dict:
+    """Qwen3-MoE checkpoint tensors."""
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     weights = {"model.embed_tokens.weight": normal(cfg["vocab_size"], hidden), "model.norm.weight": ones(hidden),
                "lm_head.weight": normal(cfg["vocab_size"], hidden)}
     for layer in range(cfg["num_hidden_layers"]):
-        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
-        weights.update({p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
-                        a + "q_proj.weight": normal(q_rows, hidden), a + "k_proj.weight": normal(kv_rows, hidden),
-                        a + "v_proj.weight": normal(kv_rows, hidden), a + "o_proj.weight": normal(hidden, q_rows),
-                        a + "q_norm.weight": ones(head_dim), a + "k_norm.weight": ones(head_dim),
-                        p + "mlp.gate.weight": normal(cfg["num_experts"], hidden)})
+        p = f"model.layers.{layer}."
+        weights.update(attention_weights(cfg, p, normal, ones))
+        weights[p + "mlp.gate.weight"] = normal(cfg["num_experts"], hidden)
         for e in range(cfg["num_experts"]):
-            q = f"{p}mlp.experts.{e}."
-            weights.update({q + "gate_proj.weight": normal(inter, hidden), q + "up_proj.weight": normal(inter, hidden),
-                            q + "down_proj.weight": normal(hidden, inter)})
-    save_file(weights, os.path.join(directory, "model.safetensors"))
+            weights.update(ffn_weights(f"{p}mlp.experts.{e}.", hidden, inter, normal))
+    return weights
+
+
+def glm4_moe_weights(cfg: Dict, normal, ones) -> Dict:
+    """GLM-4 MoE checkpoint tensors, the nextn (MTP) layers included: those follow the decoder
+    layers as model.layers.{num_hidden_layers + i}, a decoder layer plus the MTP head's eh_proj
+    [hidden, 2 * hidden], enorm, hnorm and shared_head.norm (the draft shares the target's
+    embedding and LM head, so shared_head.head is not written)."""
+    import torch
+
+    hidden, inter, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    weights = {"model.embed_tokens.weight": normal(cfg["vocab_size"], hidden), "model.norm.weight": ones(hidden),
+               "lm_head.weight": normal(cfg["vocab_size"], hidden)}
+    layers = cfg["num_hidden_layers"]
+    for layer in range(layers + cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{layer}."
+        weights.update(attention_weights(cfg, p, normal, ones))
+        weights[p + "mlp.gate.weight"] = normal(experts, hidden)
+        weights[p + "mlp.gate.e_score_correction_bias"] = normal(experts).float()  # fp32, as GLM ships it
+        for e in range(experts):
+            weights.update(ffn_weights(f"{p}mlp.experts.{e}.", hidden, inter, normal))
+        weights.update(ffn_weights(p + "mlp.shared_experts.", hidden, inter * cfg["n_shared_experts"], normal))
+        if layer >= layers:
+            weights.update({p + "eh_proj.weight": normal(hidden, 2 * hidden), p + "enorm.weight": ones(hidden),
+                            p + "hnorm.weight": ones(hidden), p + "shared_head.norm.weight": ones(hidden)})
+    assert all(t.dtype in (torch.bfloat16, torch.float32) for t in weights.values())
+    return weights
 
 
 def _write_json(path: str, payload: Dict) -> None:
@@ -186,11 +231,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-groups", type=int, default=8, help="glm4_moe: expert groups (n_group)")
     p.add_argument("--topk-group", type=int, default=4, help="glm4_moe: groups each token may use")
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size to train")
+    p.add_argument("--nextn-layers", type=int, default=0, choices=[0, 1],
+                   help="glm4_moe: MTP (nextn) layers after the decoder layers (the EAGLE draft SGLang loads)")
     p.add_argument("--random-weights", action="store_true",
-                   help="also write model.safetensors with seeded random weights (qwen3_moe only)")
+                   help="also write model.safetensors with seeded random weights")
     args = p.parse_args(argv)
-    if args.random_weights and args.arch != "qwen3_moe":
-        p.error(f"--random-weights supports --arch qwen3_moe only, got {args.arch}")
+    if args.nextn_layers and args.arch != "glm4_moe":
+        p.error(f"--nextn-layers needs --arch glm4_moe, got {args.arch}")
     if args.top_k > args.num_experts:
         p.error(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
     if args.arch == "glm4_moe" and args.num_experts % args.num_groups:

@@ -132,8 +132,8 @@ def test_stand_in_keeps_raising_for_other_ops():
     from sgl_kernel.speculative import reconstruct_indices_from_tree_mask
 
     assert sgl_kernel.IS_SGLANG_OEA_STUB and reconstruct_indices_from_tree_mask.__module__ == "sgl_kernel.cpu_bodies"
-    with pytest.raises(sgl_kernel.StubOpCalled, match="build_tree_kernel_efficient_cpu was called"):
-        sgl_kernel.build_tree_kernel_efficient_cpu()
+    with pytest.raises(sgl_kernel.StubOpCalled, match="build_draft_decode_metadata_cpu was called"):
+        sgl_kernel.build_draft_decode_metadata_cpu()
 
 
 def test_bodies_match_sglang_triton_kernels_in_the_interpreter():

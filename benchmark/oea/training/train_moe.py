@@ -1,7 +1,8 @@
-"""Train a small MoE language model of one of the two router families we serve, on real text, seeded.
+"""Train a small MoE language model of one of the router families we serve, on real text, seeded.
 
     python benchmark/oea/training/train_moe.py --arch qwen3_moe --out benchmark/oea/models/qwen3_moe_stdlib
     python benchmark/oea/training/train_moe.py --arch glm4_moe --out benchmark/oea/models/glm4_moe_stdlib
+    python benchmark/oea/training/train_moe.py --arch deepseek_v3 --out benchmark/oea/models/deepseek_v3_stdlib
     python benchmark/oea/training/train_moe.py --arch qwen3_moe --out /tmp/m --steps 3 --max-docs 20 \
         --num-experts 16 --hidden-size 32 ...     # a smoke run (test/srt/benchmark/test_training_train_moe.py)
 
@@ -15,6 +16,11 @@ glm4_moe:  Glm4MoeForCausalLM, sigmoid scores, e_score_correction_bias, expert g
            where load_e counts the tokens the layer's router selected expert e for in that step.
            The bias is a buffer, so the optimizer never touches it; it changes selection only,
            never the weights (selection scores sigmoid + b, weight scores sigmoid).
+deepseek_v3: DeepseekV3ForCausalLM (GLM-5's family): MLA attention, a dense first layer, then the
+           glm4_moe router (one group by default) balanced the same way, plus one multi-token-
+           prediction layer trained as DeepSeek-V3 trains it (loss = main + --mtp-loss-weight * MTP
+           t+2 loss) on the input SGLang's NextN draft gets; see deepseek_mtp.py. The MTP layer is
+           saved as model.layers.{num_layers}.* (SGLang's nextn names; transformers skips it).
 
 Corpus: the Python standard library's own *.py source that ships with this interpreter
 (sysconfig stdlib path), sorted by relative path, skipping site-packages and every test folder
@@ -27,7 +33,8 @@ the byte-level BPE tokenizer too, trained here on the training split. Writes int
 config.json, generation_config.json, model.safetensors (--save-dtype, the correction bias stays
 float32), the tokenizer files, heldout.txt and training.json (command, corpus, split, token
 counts, wall time, loss curve, final train loss, held-out loss, seed, versions).
-heldout_loss(directory) recomputes the recorded held-out loss from the saved files alone.
+heldout_loss(directory) recomputes the recorded held-out loss from the saved files alone, and
+heldout_mtp_loss(directory) the deepseek_v3 MTP layer's (t+2) held-out loss and accuracy.
 
 Shapes: B = sequences per step, S = --seq-len, V = vocab, L = MoE layers, E = experts, K = top-k.
 """
@@ -48,7 +55,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from sglang_oea.tiny_model import SPECIAL_TOKENS, write_model
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmark/oea
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)  # its folders import as packages
+
+from sglang_oea.tiny_model import write_model  # noqa: E402
+from training import deepseek_mtp  # noqa: E402
 
 MAX_CHECKPOINT_BYTES = 30 * 1000 * 1000
 SKIPPED_FOLDERS = ("site-packages", "test", "tests", "idle_test", "__pycache__")
@@ -135,9 +147,16 @@ def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
 
 
-def routers_of(model) -> List[torch.nn.Module]:
-    """Each MoE layer's router (`mlp.gate`, which returns (logits, weights, ids [T, K]) in both families)."""
-    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+def routers_of(model, mtp=None) -> List[torch.nn.Module]:
+    """Each MoE layer's router (`mlp.gate`, which returns (logits, weights, ids [T, K]) in every family),
+    the MTP layer's last."""
+    layers = list(model.model.layers) + ([mtp.decoder] if mtp is not None else [])
+    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate")]
+
+
+def uses_correction_bias(arch: str) -> bool:
+    """The sigmoid routers with e_score_correction_bias, balanced aux-loss-free."""
+    return arch in ("glm4_moe", "deepseek_v3")
 
 
 class ExpertLoad:
@@ -179,32 +198,40 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 
 
 def build_model(args: argparse.Namespace, train_texts: Sequence[str]):
-    """Tokenizer and config.json via sglang_oea.tiny_model into args.out, then a seeded float32 model."""
+    """Tokenizer and config.json into args.out (sglang_oea.tiny_model; deepseek_mtp for deepseek_v3),
+    then a seeded float32 model and its MTP layer (deepseek_v3; else None)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    write_model(args, texts=train_texts)
+    if args.arch == "deepseek_v3":
+        deepseek_mtp.write_deepseek_v3_model(args, train_texts)
+    else:
+        write_model(args, texts=train_texts)
     config = AutoConfig.from_pretrained(args.out)
     if args.arch == "qwen3_moe":
         config.router_aux_loss_coef = args.aux_loss_coef
     torch.manual_seed(args.seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, (deepseek_mtp.build_mtp(model, args.seed) if args.arch == "deepseek_v3" else None)
 
 
-def checkpoint_bytes(model, dtype: torch.dtype) -> int:
+def checkpoint_bytes(model, dtype: torch.dtype, mtp=None) -> int:
     """Bytes model.safetensors will hold (float tensors in `dtype`, the correction bias float32)."""
     total = 0
-    for name, tensor in model.state_dict().items():
+    extra = deepseek_mtp.mtp_checkpoint_tensors(model, mtp) if mtp is not None else {}
+    for name, tensor in list(model.state_dict().items()) + list(extra.items()):
         keep_fp32 = name.endswith("e_score_correction_bias")
         total += tensor.numel() * (4 if keep_fp32 else torch.tensor([], dtype=dtype).element_size())
     return total
 
 
-def train(args: argparse.Namespace, model, blocks: torch.Tensor) -> Dict:
-    """AdamW over seeded permutations of blocks [R, S]; returns the run's record (loss curve etc.)."""
-    routers = routers_of(model)
+def train(args: argparse.Namespace, model, blocks: torch.Tensor, mtp=None) -> Dict:
+    """AdamW over seeded permutations of blocks [R, S] (the model's and the MTP layer's parameters);
+    returns the run's record (loss curve etc.)."""
+    routers = routers_of(model, mtp)
     load = ExpertLoad(routers, args.num_experts)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    parameters = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
+    decay = [p for p in parameters if p.dim() >= 2]
+    no_decay = [p for p in parameters if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     order = torch.Generator().manual_seed(args.seed)
@@ -212,6 +239,7 @@ def train(args: argparse.Namespace, model, blocks: torch.Tensor) -> Dict:
     curve, window, aux_window = [], [], []
     start, stopped_by = time.monotonic(), "steps"
     model.train()
+    coef = args.mtp_loss_weight if mtp is not None else getattr(model.config, "router_aux_loss_coef", 0.0)
     for step in range(args.steps):
         if cursor + args.batch_size > permutation.numel():
             permutation, cursor = torch.randperm(blocks.shape[0], generator=order), 0
@@ -220,13 +248,13 @@ def train(args: argparse.Namespace, model, blocks: torch.Tensor) -> Dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         load.reset()
-        lm_loss, aux_loss = step_loss(args, model, ids)
-        loss = lm_loss + (model.config.router_aux_loss_coef * aux_loss if aux_loss is not None else 0.0)
+        lm_loss, aux_loss = step_loss(args, model, ids, mtp)
+        loss = lm_loss + (coef * aux_loss if aux_loss is not None else 0.0)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        torch.nn.utils.clip_grad_norm_(parameters, args.grad_clip)
         optimizer.step()
-        if args.arch == "glm4_moe":
+        if uses_correction_bias(args.arch):
             update_correction_bias(routers, load.counts, args.bias_update_speed)
         window.append(lm_loss.item())
         aux_window.append(aux_loss.item() if aux_loss is not None else None)
@@ -248,8 +276,14 @@ def train(args: argparse.Namespace, model, blocks: torch.Tensor) -> Dict:
             "loss_curve": curve, "final_train_loss": curve[-1]["loss"]}
 
 
-def step_loss(args: argparse.Namespace, model, ids: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(mean next-token NLL, transformers' load-balancing aux loss or None) of one batch ids [B, S]."""
+def step_loss(args: argparse.Namespace, model, ids: torch.Tensor,
+              mtp=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(mean next-token NLL, the second objective or None) of one batch ids [B, S]: transformers'
+    load-balancing aux loss (qwen3_moe), the MTP layer's mean t+2 NLL (deepseek_v3), else None."""
+    if mtp is not None:
+        logits, draft = deepseek_mtp.main_and_mtp_logits(model, mtp, ids)  # [B, S, V], [B, S - 1, V]
+        mtp_loss = F.cross_entropy(draft[:, :-1].reshape(-1, draft.shape[-1]), ids[:, 2:].reshape(-1))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)), mtp_loss
     if args.arch == "qwen3_moe" and args.aux_loss_coef > 0:
         out = model(input_ids=ids, use_cache=False, output_router_logits=True)
         logits, aux = out.logits.float(), out.aux_loss
@@ -265,7 +299,7 @@ def curve_point(step: int, window: List[float], aux_window: List, counts: torch.
              "seconds": round(time.monotonic() - start, 1),
              "max_over_mean_load": round((counts.max(dim=1).values / counts.mean(dim=1)).max().item(), 3)}
     if aux_window and aux_window[0] is not None:
-        point["aux_loss"] = round(sum(aux_window) / len(aux_window), 5)
+        point["mtp_loss" if args.arch == "deepseek_v3" else "aux_loss"] = round(sum(aux_window) / len(aux_window), 5)
     return point
 
 
@@ -290,21 +324,74 @@ def heldout_loss(model_dir: str, max_tokens: int = 65536, seq_len: int = 256, ba
     Returns:
         {"loss": float, "perplexity": float, "tokens": scored predictions, "max_tokens", "seq_len"}.
     """
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    documents = read_heldout(os.path.join(model_dir, "heldout.txt"))
-    blocks = pack_blocks(encode_stream(tokenizer, [text for _, text in documents]), seq_len, max_tokens)
-    if blocks.shape[0] == 0:
-        raise ValueError(f"heldout.txt in {model_dir} has fewer than seq_len={seq_len} tokens")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    blocks = heldout_blocks(model_dir, max_tokens, seq_len)
+    model = load_trained(model_dir)
     total = 0.0
     with torch.no_grad():
         for rows in blocks.split(batch_size):
             total += token_nll(model, rows).double().sum().item()
     tokens = blocks.shape[0] * (seq_len - 1)
     return {"loss": total / tokens, "perplexity": math.exp(total / tokens), "tokens": tokens,
+            "max_tokens": max_tokens, "seq_len": seq_len}
+
+
+def load_trained(model_dir: str):
+    """The saved model in float32, eval mode, through transformers' AutoModelForCausalLM.
+
+    transformers' load report is kept quiet (a deepseek_v3 checkpoint's MTP layer is unexpected to
+    it by design) and checked here instead: ValueError on any missing or mismatched tensor, or on
+    an unexpected one outside the MTP layer (model.layers.{num_hidden_layers}.*).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(level)
+    mtp_prefix = f"model.layers.{model.config.num_hidden_layers}."
+    unexpected = [k for k in info["unexpected_keys"] if not k.startswith(mtp_prefix)]
+    if info["missing_keys"] or info["mismatched_keys"] or unexpected:
+        raise ValueError(f"{model_dir}: missing {sorted(info['missing_keys'])}, mismatched "
+                         f"{info['mismatched_keys']}, unexpected {sorted(unexpected)}")
+    return model.eval()
+
+
+def heldout_blocks(model_dir: str, max_tokens: int, seq_len: int) -> torch.Tensor:
+    """The held-out documents of model_dir, encoded as in training, in rows of seq_len: [R, S] int64."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    documents = read_heldout(os.path.join(model_dir, "heldout.txt"))
+    blocks = pack_blocks(encode_stream(tokenizer, [text for _, text in documents]), seq_len, max_tokens)
+    if blocks.shape[0] == 0:
+        raise ValueError(f"heldout.txt in {model_dir} has fewer than seq_len={seq_len} tokens")
+    return blocks
+
+
+def heldout_mtp_loss(model_dir: str, max_tokens: int = 65536, seq_len: int = 256, batch_size: int = 8) -> Dict:
+    """The deepseek_v3 MTP layer on the held-out rows of heldout_loss, from the saved files alone.
+
+    Returns:
+        {"loss": mean t+2 NLL (nats), "accuracy": its argmax hit rate, "agreement_with_main": how
+        often its argmax equals the main model's argmax one position later (greedy acceptance),
+        "main_accuracy": the main model's t+1 argmax hit rate, "tokens", "max_tokens", "seq_len"}.
+    """
+    blocks = heldout_blocks(model_dir, max_tokens, seq_len)
+    model = load_trained(model_dir)
+    mtp = deepseek_mtp.load_mtp(model_dir, model)
+    sums = {"mtp": 0.0, "mtp_hit": 0.0, "mtp_agrees": 0.0, "main_hit": 0.0}
+    with torch.no_grad():
+        for rows in blocks.split(batch_size):
+            scores = deepseek_mtp.main_and_mtp_nll(model, mtp, rows)
+            for key in sums:
+                sums[key] += scores[key].double().sum().item()
+    tokens = blocks.shape[0] * (seq_len - 2)
+    return {"loss": sums["mtp"] / tokens, "accuracy": sums["mtp_hit"] / tokens,
+            "agreement_with_main": sums["mtp_agrees"] / tokens,
+            "main_accuracy": sums["main_hit"] / (blocks.shape[0] * (seq_len - 1)), "tokens": tokens,
             "max_tokens": max_tokens, "seq_len": seq_len}
 
 
@@ -327,19 +414,28 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Configuration errors, raised as ValueError naming the flag."""
     if args.top_k > args.num_experts:
         raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
-    if args.arch == "glm4_moe" and args.num_experts % args.num_groups:
+    if uses_correction_bias(args.arch) and args.num_experts % args.num_groups:
         raise ValueError(f"--num-experts ({args.num_experts}) must be divisible by --num-groups ({args.num_groups})")
-    if args.arch == "glm4_moe" and args.topk_group * (args.num_experts // args.num_groups) < args.top_k:
+    if uses_correction_bias(args.arch) and args.topk_group * (args.num_experts // args.num_groups) < args.top_k:
         raise ValueError(f"--topk-group {args.topk_group} groups hold fewer than --top-k {args.top_k} experts")
     if not 0 < args.heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     if args.warmup_steps < 1 or args.steps < 1:
         raise ValueError(f"--steps and --warmup-steps must be >= 1, got {args.steps} and {args.warmup_steps}")
+    if args.arch == "deepseek_v3" and (args.hidden_size % (2 * args.num_heads) or args.seq_len < 3
+                                       or args.num_layers < 2):
+        # One layer would be the dense one, and SGLang reads a 1-layer model's MTP layer at index 0.
+        raise ValueError(f"deepseek_v3 needs --hidden-size divisible by 2 * --num-heads ({2 * args.num_heads}), "
+                         f"--seq-len >= 3 and --num-layers >= 2, got {args.hidden_size}, {args.seq_len}, "
+                         f"{args.num_layers}")
 
 
 ARCH_DEFAULTS = {  # about 7.7M parameters (15.5 MB in bfloat16), under 50 minutes on 2 busy cores
     "qwen3_moe": {"num_experts": 128, "moe_intermediate_size": 32, "steps": 3000},  # ~5k tokens/s
-    "glm4_moe": {"num_experts": 256, "moe_intermediate_size": 16, "steps": 2400},  # ~3.7k tokens/s
+    "glm4_moe": {"num_experts": 256, "moe_intermediate_size": 16, "steps": 2400,  # ~3.7k tokens/s
+                 "num_groups": 8, "topk_group": 4},
+    "deepseek_v3": {"num_experts": 256, "moe_intermediate_size": 16, "steps": 1500,  # 6.2M + 1.7M MTP, 18.0 MB
+                    "num_groups": 1, "topk_group": 1},
 }
 
 
@@ -348,14 +444,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), required=True)
     p.add_argument("--out", required=True, help="directory to write")
     model = p.add_argument_group("model (names as in sglang_oea.tiny_model)")
-    model.add_argument("--num-experts", type=int, help="default: 128 (qwen3_moe), 256 (glm4_moe)")
+    model.add_argument("--num-experts", type=int, help="default: 128 (qwen3_moe), 256 (glm4_moe, deepseek_v3)")
     model.add_argument("--top-k", type=int, default=8)
     model.add_argument("--hidden-size", type=int, default=128)
-    model.add_argument("--moe-intermediate-size", type=int, help="default: 32 (qwen3_moe), 16 (glm4_moe)")
-    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--moe-intermediate-size", type=int, help="default: 32 (qwen3_moe), 16 (the others)")
+    model.add_argument("--num-layers", type=int, default=4, help="deepseek_v3: the first one dense, MTP not counted")
     model.add_argument("--num-heads", type=int, default=4)
-    model.add_argument("--num-groups", type=int, default=8, help="glm4_moe: expert groups (n_group)")
-    model.add_argument("--topk-group", type=int, default=4, help="glm4_moe: groups each token may use")
+    model.add_argument("--num-groups", type=int, help="glm4_moe, deepseek_v3: expert groups (n_group); default 8, 1")
+    model.add_argument("--topk-group", type=int, help="groups each token may use (topk_group); default 4, 1")
     model.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
     data = p.add_argument_group("data")
     data.add_argument("--corpus-root", default=None, help="default: this interpreter's stdlib folder")
@@ -377,14 +473,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     run.add_argument("--weight-decay", type=float, default=0.1)
     run.add_argument("--grad-clip", type=float, default=1.0)
     run.add_argument("--aux-loss-coef", type=float, default=0.001, help="qwen3_moe: router_aux_loss_coef")
-    run.add_argument("--bias-update-speed", type=float, default=1e-3, help="glm4_moe: correction-bias step")
+    run.add_argument("--bias-update-speed", type=float, default=1e-3,
+                     help="glm4_moe, deepseek_v3: correction-bias step")
+    run.add_argument("--mtp-loss-weight", type=float, default=0.3,
+                     help="deepseek_v3: lambda in main loss + lambda * MTP loss")
     run.add_argument("--log-every", type=int, default=50)
     run.add_argument("--threads", type=int, default=2,
                      help="torch threads; results are reproducible for one thread count (use 1 on a busy machine)")
     run.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     run.add_argument("--allow-large", action="store_true", help=f"write checkpoints over {MAX_CHECKPOINT_BYTES} bytes")
     args = p.parse_args(argv)
-    for name, value in ARCH_DEFAULTS[args.arch].items():
+    for name, value in {"num_groups": 1, "topk_group": 1, **ARCH_DEFAULTS[args.arch]}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.warmup_steps > args.steps:
@@ -402,10 +501,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     train_docs, heldout_docs = train_docs[: args.max_docs], heldout_docs[: args.max_docs]
     os.makedirs(args.out, exist_ok=True)
     write_heldout(os.path.join(args.out, "heldout.txt"), heldout_docs)
-    model = build_model(args, [text for _, text in train_docs])
+    model, mtp = build_model(args, [text for _, text in train_docs])
     dtype = getattr(torch, args.save_dtype)
-    size = checkpoint_bytes(model, dtype)
-    print(f"model: {sum(p.numel() for p in model.parameters())} parameters, checkpoint {size / 1e6:.1f} MB", flush=True)
+    size = checkpoint_bytes(model, dtype, mtp)
+    parameters = {"parameters": sum(p.numel() for p in model.parameters())}
+    if mtp is not None:
+        parameters["mtp_parameters"] = sum(p.numel() for p in mtp.parameters())
+    print(f"model: {parameters} parameters, checkpoint {size / 1e6:.1f} MB", flush=True)
     if size > MAX_CHECKPOINT_BYTES and not args.allow_large:
         raise ValueError(f"checkpoint would be {size} bytes, over {MAX_CHECKPOINT_BYTES}: shrink the model "
                          "or pass --allow-large")
@@ -422,15 +524,20 @@ def main(argv: Optional[List[str]] = None) -> Dict:
               "arguments": vars(args), "seed": args.seed,
               "corpus": {**corpus_record(root, train_docs, heldout_docs, args),
                          "train_tokens": train_stream.numel(), "heldout_tokens": heldout_stream.numel()},
-              "model": {"arch": args.arch, "parameters": sum(p.numel() for p in model.parameters())},
+              "model": {"arch": args.arch, **parameters},
               "objective": objective_record(args),
               "versions": versions()}
-    record["training"] = train(args, model, blocks)
+    record["training"] = train(args, model, blocks, mtp)
     record["model"]["checkpoint_bytes"] = save_checkpoint(model, args.out, dtype)
+    if mtp is not None:
+        record["model"]["checkpoint_bytes"] = deepseek_mtp.append_mtp_weights(
+            os.path.join(args.out, "model.safetensors"), model, mtp, dtype)
     record["model"]["save_dtype"] = args.save_dtype
     record["heldout"] = heldout_loss(args.out, args.heldout_tokens, args.seq_len)
-    if args.arch == "glm4_moe":
-        biases = torch.stack([r.e_score_correction_bias.float() for r in routers_of(model)])  # [L, E]
+    if mtp is not None:
+        record["heldout_mtp"] = heldout_mtp_loss(args.out, args.heldout_tokens, args.seq_len)
+    if uses_correction_bias(args.arch):
+        biases = torch.stack([r.e_score_correction_bias.float() for r in routers_of(model, mtp)])  # [L, E]
         record["correction_bias"] = {"abs_max": biases.abs().max().item(), "std": biases.std().item()}
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=2)
@@ -449,8 +556,12 @@ def objective_record(args: argparse.Namespace) -> Dict:
     if args.arch == "qwen3_moe":
         return {**common, "balancing": "transformers' load_balancing_loss_func (output_router_logits=True)",
                 "router_aux_loss_coef": args.aux_loss_coef}
-    return {**common, "balancing": "aux-loss-free: e_score_correction_bias += speed * sign(mean load - load) "
-            "per layer after each optimizer step; no auxiliary loss", "bias_update_speed": args.bias_update_speed}
+    balancing = {"balancing": "aux-loss-free: e_score_correction_bias += speed * sign(mean load - load) "
+                 "per layer after each optimizer step; no auxiliary loss", "bias_update_speed": args.bias_update_speed}
+    if args.arch == "glm4_moe":
+        return {**common, **balancing}
+    return {**common, **balancing, "loss": common["loss"] + f" + {args.mtp_loss_weight} x MTP t+2 cross-entropy",
+            "mtp_loss_weight": args.mtp_loss_weight, "mtp": deepseek_mtp.MTP_RECORD}
 
 
 def versions() -> Dict:

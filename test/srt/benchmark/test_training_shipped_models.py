@@ -11,13 +11,23 @@ from training import train_moe as tm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MODELS = os.path.join(ROOT, "benchmark", "oea", "models")
-SHIPPED = ("qwen3_moe_stdlib", "glm4_moe_stdlib")
+SHIPPED = ("qwen3_moe_stdlib", "glm4_moe_stdlib", "deepseek_v3_stdlib")
+# Trained by `train_moe.py --arch deepseek_v3` (benchmark/oea/training/README.md); until that
+# checkpoint is committed, its two tests skip and say so.
+NOT_YET_SHIPPED = {"deepseek_v3_stdlib"}
 MAX_BYTES = 30 * 1024 * 1024
+
+
+def shipped_dir(name: str) -> str:
+    model_dir = os.path.join(MODELS, name)
+    if name in NOT_YET_SHIPPED and not os.path.isfile(os.path.join(model_dir, "training.json")):
+        pytest.skip(f"{name} is not trained yet (benchmark/oea/training/README.md has the command)")
+    return model_dir
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_model_reproduces_its_recorded_heldout_loss(name):
-    model_dir = os.path.join(MODELS, name)
+    model_dir = shipped_dir(name)
     with open(os.path.join(model_dir, "training.json")) as f:
         record = json.load(f)
     assert os.path.getsize(os.path.join(model_dir, "model.safetensors")) <= MAX_BYTES
@@ -30,3 +40,19 @@ def test_shipped_model_reproduces_its_recorded_heldout_loss(name):
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     assert got["loss"] < 0.6 * math.log(vocab)
+
+
+def test_shipped_deepseek_mtp_layer_reproduces_its_recorded_heldout_loss():
+    """The MTP layer, rebuilt from the checkpoint's nextn names (model.layers.{L}.*) on top of the
+    reloaded main model, reproduces the recorded held-out t+2 loss and accuracy; and it learned:
+    below 0.7 ln(V), and its argmax agrees with the main model's next one more often than chance."""
+    model_dir = shipped_dir("deepseek_v3_stdlib")
+    with open(os.path.join(model_dir, "training.json")) as f:
+        recorded = json.load(f)["heldout_mtp"]
+    got = tm.heldout_mtp_loss(model_dir, recorded["max_tokens"], recorded["seq_len"])
+    assert got["tokens"] == recorded["tokens"]
+    assert got["loss"] == pytest.approx(recorded["loss"], rel=1e-4)
+    assert got["accuracy"] == pytest.approx(recorded["accuracy"], abs=1e-3)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    assert got["loss"] < 0.7 * math.log(vocab) and got["agreement_with_main"] > 0.1

@@ -1,5 +1,5 @@
 """benchmark/oea/training/train_moe.py: a smoke run of a few steps per router family, tiny sizes, no
-server.
+server (deepseek_v3's MTP layer and its SGLang names: test_training_deepseek_mtp.py).
 
 Each run is a subprocess (the tool sets torch's thread count and deterministic mode process-wide).
 """
@@ -35,7 +35,7 @@ def run_tool(arch: str, out: str) -> dict:
         return json.load(f)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe", "deepseek_v3"])
 def runs(request, tmp_path_factory):
     """Two runs of one arch with the same seed: [(directory, training.json), ...]."""
     dirs = [str(tmp_path_factory.mktemp(f"{request.param}_{i}")) for i in range(2)]
@@ -49,7 +49,8 @@ def test_writes_a_model_transformers_loads(runs):
     for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "heldout.txt"]:
         assert os.path.isfile(os.path.join(directory, name)), name
     model = AutoModelForCausalLM.from_pretrained(directory)
-    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[arch]
+    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                                    "deepseek_v3": "DeepseekV3ForCausalLM"}[arch]
     tokenizer = AutoTokenizer.from_pretrained(directory)
     text = tm.read_heldout(os.path.join(directory, "heldout.txt"))[0][1][:500]
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
@@ -92,16 +93,30 @@ def test_heldout_loss_reproduces_the_recorded_one(runs):
     again = tm.heldout_loss(directory, record["heldout"]["max_tokens"], record["heldout"]["seq_len"])
     assert again["tokens"] == record["heldout"]["tokens"]
     assert again["loss"] == pytest.approx(record["heldout"]["loss"], rel=1e-5)
+    if "heldout_mtp" in record:  # deepseek_v3: the MTP layer reloads from the checkpoint's nextn names
+        mtp = tm.heldout_mtp_loss(directory, record["heldout"]["max_tokens"], record["heldout"]["seq_len"])
+        assert mtp["loss"] == pytest.approx(record["heldout_mtp"]["loss"], rel=1e-5)
+        assert mtp["accuracy"] == record["heldout_mtp"]["accuracy"]
+
+
+def test_mtp_loss_is_recorded(runs):
+    arch, [(_, record), _] = runs
+    if arch != "deepseek_v3":
+        pytest.skip("only deepseek_v3 has an MTP layer")
+    assert all(math.isfinite(p["mtp_loss"]) for p in record["training"]["loss_curve"])
+    assert record["objective"]["mtp_loss_weight"] == record["arguments"]["mtp_loss_weight"] == 0.3
+    assert record["model"]["mtp_parameters"] > 0
+    assert {"loss", "accuracy", "agreement_with_main", "tokens"} <= set(record["heldout_mtp"])
 
 
 def test_correction_bias_moves_by_sign_steps_only(runs):
-    """glm4_moe: the bias moved, in whole steps of the update speed (AdamW would leave other values),
-    and it is a buffer, never an optimizer parameter."""
+    """glm4_moe, deepseek_v3 (its MTP layer's router too): the bias moved, in whole steps of the update
+    speed (AdamW would leave other values), and it is a buffer, never an optimizer parameter."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     arch, [(directory, _), _] = runs
-    if arch != "glm4_moe":
+    if arch == "qwen3_moe":
         pytest.skip("qwen3_moe has no correction bias")
     model = AutoModelForCausalLM.from_pretrained(directory)
     assert not [n for n, _ in model.named_parameters() if "e_score_correction_bias" in n]
@@ -111,3 +126,6 @@ def test_correction_bias_moves_by_sign_steps_only(runs):
     steps = biases / BIAS_SPEED
     assert (steps - steps.round()).abs().max() < 1e-3
     assert steps.abs().max() <= STEPS
+    if arch == "deepseek_v3":
+        mtp_layer = model.config.num_hidden_layers
+        assert weights[f"model.layers.{mtp_layer}.mlp.gate.e_score_correction_bias"].abs().max() > 0

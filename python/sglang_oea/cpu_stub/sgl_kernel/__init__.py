@@ -7,6 +7,8 @@ ever called, so a CPU run can never silently depend on a missing GPU kernel.
 
 The exceptions are the ops in `cpu_bodies` (plain torch): SGLang's CPU engine calls them under
 speculative decoding (NGRAM), to move KV slots and to prepare and verify draft tokens.
+`eagle_bodies` adds those EAGLE / MTP drafts need (the draft's KV slots, its token tree, the bonus
+token).
 """
 
 import importlib.abc
@@ -16,7 +18,7 @@ import sys
 import types
 
 logger = logging.getLogger("sglang_oea.cpu_stub")
-OWN_MODULES = {__name__ + ".cpu_bodies"}
+OWN_MODULES = {__name__ + ".cpu_bodies", __name__ + ".eagle_bodies"}
 __version__ = "0.0.0+sglang-oea-cpu-stub"
 IS_SGLANG_OEA_STUB = True
 
@@ -83,6 +85,12 @@ from sgl_kernel.cpu_bodies import (  # noqa: E402, F401
     fill_accept_out_cache_loc_cpu,
     reconstruct_indices_from_tree_mask,
     verify_tree_greedy_cpu,
+)
+
+from sgl_kernel.eagle_bodies import (  # noqa: E402, F401
+    assign_draft_cache_locs_contiguous_cpu,
+    build_tree_kernel_efficient_cpu,
+    fill_bonus_tokens_cpu,
 )
 
 # Bodies SGLang imports from a submodule (`from sgl_kernel.speculative import ...`).
