@@ -104,12 +104,11 @@ def qwen3_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
     }
 
 
-def glm4_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
-    """GLM-4 MoE: sigmoid + correction bias (noaux_tc), grouped routing, one shared expert."""
+def sigmoid_bias_moe(args: argparse.Namespace, dense_layers: int) -> Dict:
+    """The config keys of the DeepSeek-style MoE block (GLM-4 MoE and DeepSeek-V3 alike): sigmoid
+    + correction bias (noaux_tc), grouped routing, one shared expert, a routed scaling factor,
+    `dense_layers` dense first layers."""
     return {
-        **base,
-        "architectures": ["Glm4MoeForCausalLM"],
-        "model_type": "glm4_moe",
         "n_routed_experts": args.num_experts,
         "n_shared_experts": 1,
         "n_group": args.num_groups,
@@ -118,8 +117,18 @@ def glm4_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
         "scoring_func": "sigmoid",
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 0,
+        "first_k_dense_replace": dense_layers,
         "moe_layer_freq": 1,
+    }
+
+
+def glm4_moe_config(args: argparse.Namespace, base: Dict) -> Dict:
+    """GLM-4 MoE: sigmoid + correction bias (noaux_tc), grouped routing, one shared expert."""
+    return {
+        **base,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        **sigmoid_bias_moe(args, dense_layers=0),
         "partial_rotary_factor": 0.5,
         "use_qk_norm": True,
         "num_nextn_predict_layers": getattr(args, "nextn_layers", 0),  # train_moe's arguments have none

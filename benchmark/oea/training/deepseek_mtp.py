@@ -82,22 +82,15 @@ def deepseek_v3_config(args: argparse.Namespace, base: Dict) -> Dict:
     MLA sizes follow from --hidden-size and --num-heads (head = H / heads): qk_nope_head_dim =
     v_head_dim = head, qk_rope_head_dim = head / 2, q_lora_rank = kv_lora_rank = H / 2.
     """
+    from sglang_oea.tiny_model import sigmoid_bias_moe
+
     head = args.hidden_size // args.num_heads
     config = {key: value for key, value in base.items() if key not in ("head_dim", "rope_theta")}
     return {
         **config,
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "n_routed_experts": args.num_experts,
-        "n_shared_experts": 1,
-        "n_group": args.num_groups,
-        "topk_group": args.topk_group,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
+        **sigmoid_bias_moe(args, dense_layers=1),
         "q_lora_rank": args.hidden_size // 2,
         "kv_lora_rank": args.hidden_size // 2,
         "qk_nope_head_dim": head,
