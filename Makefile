@@ -16,9 +16,12 @@ $(STAMP): python/pyproject.toml
 	$(VPY) -m pip install --quiet -e "python[test]"
 	touch $(STAMP)
 
-# Everything, the real-server end-to-end tests included (about 20 minutes on 2 cores).
+# Everything, the real-server end-to-end tests included (about 40 minutes on 2 cores). The tests
+# without a server run in two workers, a file per worker (most of their time is Triton's
+# interpreter and SGLang imports in child processes); then the server tests, one server at a time.
 test: install
-	$(VPY) -m pytest test/srt -q -p no:cacheprovider
+	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m "not server" -n 2 --dist loadfile
+	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m server
 
 # Without starting servers (a few minutes).
 test-fast: install

@@ -1,20 +1,19 @@
-"""DeepseekV3ForCausalLM, GLM-5's architecture family (MLA attention; the DeepseekV2MoE block with
-sigmoid routing, a correction bias, one expert group, one shared expert and a routed scaling
-factor; a first dense layer), on the real SGLang server on the CPU engine.
-
-The checkpoint is a tiny DeepseekV3ForCausalLM with real random weights written by transformers
-(float32, q_lora_rank set as in DeepSeek-V3 and GLM-5, yarn rope: SGLang's CPU rope supports only
-DeepSeek's yarn). Its router weights and correction bias are scaled so that routing is neither
-uniform nor collapsed onto a few experts, which test_the_checkpoint_routes_like_a_trained_router
-checks. transformers' greedy decoding of that checkpoint is the reference throughout.
+"""DeepseekV3ForCausalLM, GLM-5's architecture family, on the real SGLang server on the CPU engine:
+the trained checkpoint benchmark/oea/models/deepseek_v3_stdlib (train_moe.py --arch deepseek_v3:
+MLA with q_lora_rank, a first dense layer, 256 routed experts top-8 with sigmoid scores and a
+learned correction bias, one shared expert, routed scaling factor 2.5, yarn rope, and one MTP
+layer). transformers' float32 greedy decoding of held-out prompts is the reference throughout.
 
 Two servers, one at a time (2 cores), each shared by the assertions it can serve; OEA settings
 change between assertions through /set_internal_state:
-- TP=1, shared expert as its own MLP (SGLang's default here): SGLang's greedy output equals
-  transformers' with OEA off and at k0 >= top-k; the OpenAI endpoints answer; k0=1 at
-  --oea-min-batch 2 under concurrent requests changes the text and counts applied steps.
-- TP=2, shared expert fused into the routed top-k (--enforce-shared-experts-fusion): the same
-  greedy output at k0 >= top-k, then OEA applied under load with both ranks checked every step.
+- TP=1 with EAGLE, the checkpoint's own MTP layer as the draft (DeepseekV3ForCausalLMNextN), the
+  shared expert as its own MLP (SGLang's default here): speculative greedy output equals
+  transformers' with OEA at k0 >= top-k and off; k0=1 changes it; the OpenAI endpoints answer;
+  under concurrent requests OEA applies in the target's verify passes only, never in the draft's
+  passes nor in draft extend, and SGLang's accept length stays between 1 and the draft tokens.
+- TP=2, shared expert fused into the routed top-k (--enforce-shared-experts-fusion), no
+  speculative decoding: transformers' greedy output at k0 >= top-k and off, k0=1 changes it, then
+  OEA applied under load with both ranks' routing compared every step.
 
 The hook that makes MLA run on the `torch_native` backend (sglang_oea/cpu_mla.py) is unit-tested
 here too; the servers and transformers' tokens are what show it right.
@@ -22,98 +21,45 @@ here too; the servers and transformers' tokens are what show it right.
 
 import json
 import os
+import re
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from test_server_e2e import complete, concurrent, greedy_ids, oea_value, post, scrape, serve, transformers_greedy
+from test_server_e2e import (TRAINED_DIR, complete, concurrent, greedy_ids, heldout_prompts, oea_value, post, scrape,
+                             serve, transformers_greedy)
 
-TOP_K, NUM_EXPERTS, MOE_LAYERS = 8, 64, 2
+MODEL = os.path.join(TRAINED_DIR, "deepseek_v3_stdlib")
+TOP_K, NUM_EXPERTS, MOE_LAYERS = 8, 256, ("1", "2", "3")  # layer 0 is dense
 FP32 = ("--dtype", "float32")
 METRICS = ("--enable-metrics", "--decode-log-interval", "1")
-APPLIED = "sglang:oea_decode_steps_applied_total"
-# The shapes of the failure cpu_mla.py fixes: qk_nope 32 + rope 16 per head, latent 64 + rope 16.
-TINY_DEEPSEEK_V3 = dict(
-    hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=1 + MOE_LAYERS,
-    first_k_dense_replace=1, moe_layer_freq=1, num_attention_heads=4, num_key_value_heads=4,
-    q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
-    n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, n_group=1, topk_group=1, n_shared_experts=1,
-    topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-    max_position_embeddings=4096, num_nextn_predict_layers=0, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    # Larger than the default 0.02, so that the MoE output is a sizable part of the residual stream
-    # and a routing change moves greedy tokens.
-    initializer_range=0.05,
-)
-ROUTER_STD, BIAS_STD = 0.1, 0.05  # router logits ~N(0, 1.1); the bias reorders near ties only
-
-
-def write_deepseek_v3(directory, seed=0, **overrides):
-    """A tiny DeepseekV3ForCausalLM checkpoint (float32, real random weights) and a BPE tokenizer."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from sglang_oea.tiny_model import SPECIAL_TOKENS, train_tokenizer
-
-    os.makedirs(directory, exist_ok=True)
-    eos = SPECIAL_TOKENS.index("<|endoftext|>")
-    vocab = train_tokenizer(directory, 512)
-    config = DeepseekV3Config(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                              **{**TINY_DEEPSEEK_V3, **overrides})
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).float()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for layer in model.model.layers[config.first_k_dense_replace:]:
-            layer.mlp.gate.weight.normal_(0, ROUTER_STD, generator=generator)
-            layer.mlp.gate.e_score_correction_bias.normal_(0, BIAS_STD, generator=generator)
-    model.save_pretrained(directory)
-    return directory
-
-
-def token_prompts(vocab_size, lengths=(9, 14, 5, 21), seed=7):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+DRAFTS = 4  # 3 MTP draft steps, top-1: a chain of 4 draft tokens per request and step
+EAGLE = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(DRAFTS - 1), "--speculative-eagle-topk",
+         "1", "--speculative-num-draft-tokens", str(DRAFTS), "--max-total-tokens", "8192")
+APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    """{"dir", "prompts", "ids"}: the checkpoint, token-id prompts and transformers' greedy ids."""
-    directory = write_deepseek_v3(str(tmp_path_factory.mktemp("deepseek_v3") / "model"))
-    vocab = json.load(open(os.path.join(directory, "config.json")))["vocab_size"]
-    prompts = token_prompts(vocab)
-    return {"dir": directory, "prompts": prompts, "ids": transformers_greedy(directory, prompts)}
+def deepseek():
+    """{"prompts", "ids"}: held-out prompts and transformers' float32 greedy ids for them."""
+    prompts = heldout_prompts(MODEL)
+    return {"prompts": prompts, "ids": transformers_greedy(MODEL, prompts)}
 
 
 def set_live(base, **settings):
     assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True], settings
 
 
-def texts(results):
-    return [r["choices"][0]["text"] for r in results]
-
-
-# ----------------------------------------------------------------------------- no server
-
-
-def test_the_checkpoint_routes_like_a_trained_router(deepseek):
-    """Neither collapsed (a random correction bias can make every token pick the same experts) nor
-    uniform: over 64 tokens each MoE layer uses at least half the experts, and no expert is picked
-    by every token."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(deepseek["dir"], dtype=torch.float32).eval()
-    picked = {}
-    for index, layer in enumerate(model.model.layers[1:], 1):
-        layer.mlp.gate.register_forward_hook(lambda mod, inp, out, index=index: picked.__setitem__(index, out[2]))
-    tokens = torch.randint(4, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        model(tokens)
-    assert len(picked) == MOE_LAYERS
-    for index, ids in picked.items():  # ids: [64, TOP_K]
-        counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
-        assert (counts > 0).sum() >= NUM_EXPERTS // 2 and counts.max() < 64, (index, counts.tolist())
+def check_identity_then_change(base, deepseek):
+    """Greedy ids one request at a time: transformers' at k0 >= top-k and with OEA off; k0=1 at
+    min-batch 1 (each token keeps its own best expert and borrows from its pass) moves them, so the
+    identity checks can fail."""
+    for k0 in (TOP_K, 0):
+        set_live(base, oea_k0=k0, oea_min_batch=1)
+        assert greedy_ids(base, deepseek["prompts"]) == deepseek["ids"], k0
+    set_live(base, oea_k0=1)
+    assert greedy_ids(base, deepseek["prompts"]) != deepseek["ids"]
 
 
 def fake_mla_layer(backend):
@@ -133,53 +79,90 @@ def test_torch_native_runs_mla_absorbed(chosen):
     assert absorbed_on_torch_native(mla, fake_mla_layer("torch_native"), None) == AttnForwardMethod.MLA
 
 
-# ----------------------------------------------------------------------------- TP=1, shared expert unfused
+# ----------------------------------------------------------------------------- TP=1, EAGLE with the MTP draft
 
 
-@pytest.fixture(scope="class")
-def tp1(tmp_path_factory, deepseek):
-    flags = (*FP32, *METRICS, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
-    with serve(tmp_path_factory, deepseek["dir"], *flags) as running:
-        yield running
+def accept_lengths(log):
+    """SGLang's 'accept len' of every 'Decode batch' log line (one line per EAGLE step here)."""
+    return [float(m) for m in re.findall(r"Decode batch.*?accept len: ([\d.]+)", log)]
+
+
+@pytest.fixture(scope="module")
+def eagle_run(tmp_path_factory, deepseek):
+    """One EAGLE server with OEA armed: the identity checks, the endpoints, then k0 2 from 2
+    requests: a lone request (below the floor), then 8 concurrent ones, /metrics around."""
+    flags = (*FP32, *METRICS, *EAGLE, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
+    with serve(tmp_path_factory, MODEL, *flags) as (base, log):
+        check_identity_then_change(base, deepseek)
+        endpoints = check_openai_endpoints(base)
+        set_live(base, oea_k0=2, oea_min_batch=2)
+        start = scrape(base)
+        complete(base, "alone", 16, ignore_eos=True)
+        alone = scrape(base)
+        with ThreadPoolExecutor(8) as pool:
+            outputs = list(pool.map(lambda ids: complete(base, ids, 20, ignore_eos=True), deepseek["prompts"] * 2))
+        after = scrape(base)
+    return types.SimpleNamespace(outputs=outputs, start=start, alone=alone, after=after, log=open(log).read(),
+                                 endpoints=endpoints)
+
+
+def check_openai_endpoints(base):
+    """Completions, chat and a streamed completion through the EAGLE server."""
+    assert complete(base, "hello", 8, ignore_eos=True)["usage"]["completion_tokens"] == 8
+    chat_request = {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
+    chat = json.loads(post(base + "/v1/chat/completions", chat_request))
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] > 0
+    stream_request = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
+    stream = post(base + "/v1/completions", stream_request)
+    assert stream.count("data: ") >= 3 and stream.rstrip().endswith("data: [DONE]")
+    return True
 
 
 @pytest.mark.server
-class TestDeepseekV3AtTP1:
-    """One server (class scope: it stops before the TP=2 server starts)."""
+def test_eagle_serves_the_trained_checkpoint_identically_with_oea_off_or_a_no_op(eagle_run):
+    """Reached only when check_identity_then_change and the endpoints passed inside the fixture."""
+    assert eagle_run.endpoints
+    text = eagle_run.log
+    assert f"N={NUM_EXPERTS} top-k={TOP_K} routing=sigmoid+bias" in text
+    assert "Shared experts fusion optimization is disabled" in text
+    assert "speculative EAGLE: verify passes routed (rows = requests x draft tokens)" in text
 
-    def test_greedy_output_equals_transformers_with_oea_off_and_at_k0_top_k(self, tp1, deepseek):
-        base, log = tp1
-        set_live(base, oea_k0=TOP_K, oea_min_batch=1)
-        assert greedy_ids(base, deepseek["prompts"]) == deepseek["ids"]
-        set_live(base, oea_k0=0)
-        assert greedy_ids(base, deepseek["prompts"]) == deepseek["ids"]
-        text = open(log).read()
-        assert "OEA no-op (k0 >= top-k)" in text and f"N={NUM_EXPERTS} top-k={TOP_K} routing=sigmoid+bias" in text
-        assert "Shared experts fusion optimization is disabled" in text
 
-    def test_openai_endpoints(self, tp1):
-        base, _ = tp1
-        assert complete(base, "hello", 8, ignore_eos=True)["usage"]["completion_tokens"] == 8
-        chat_request = {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}
-        chat = json.loads(post(base + "/v1/chat/completions", chat_request))
-        assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] > 0
-        stream_request = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
-        stream = post(base + "/v1/completions", stream_request)
-        assert stream.count("data: ") >= 3 and stream.rstrip().endswith("data: [DONE]")
+@pytest.mark.server
+def test_concurrent_requests_finish_with_all_their_tokens(eagle_run):
+    assert [r["usage"]["completion_tokens"] for r in eagle_run.outputs] == [20] * 8
 
-    def test_small_k0_changes_concurrent_text_and_counts_applied_steps(self, tp1):
-        """k0=1 at --oea-min-batch 2: every decode step of six concurrent requests keeps each token's
-        own best expert and borrows the rest from the batch, so the text moves; k0 >= top-k at the
-        same batch changes nothing the router chose."""
-        base, _ = tp1
-        set_live(base, oea_k0=TOP_K, oea_min_batch=2)
-        unchanged = texts(concurrent(base, 6, 20))
-        before = oea_value(scrape(base), APPLIED)
-        set_live(base, oea_k0=1)
-        oea = concurrent(base, 6, 20)
-        assert all(r["usage"]["completion_tokens"] == 20 for r in oea)
-        assert texts(oea) != unchanged
-        assert oea_value(scrape(base), APPLIED) - before >= 10
+
+@pytest.mark.server
+def test_oea_routes_the_targets_verify_passes_only(eagle_run):
+    run = eagle_run
+
+    def delta(name, old, new, **labels):
+        return oea_value(new, name, **labels) - oea_value(old, name, **labels)
+
+    assert delta(APPLIED, run.start, run.alone) == 0, "one request at a time stays below --oea-min-batch 2"
+    assert delta(SKIPPED, run.start, run.alone, mode="verify", reason="below_min_batch") >= 15 // DRAFTS
+    assert delta(APPLIED, run.alone, run.after, mode="verify") >= 3
+    assert oea_value(run.after, APPLIED) == oea_value(run.after, APPLIED, mode="verify")
+    assert oea_value(run.after, APPLIED, mode="decode") + oea_value(run.after, SKIPPED, mode="decode") == 0
+    # Every EAGLE step runs one target verify pass and three draft passes (two draft decodes and a
+    # draft extend); exactly the verify passes are counted, one per 'Decode batch' line.
+    verify_steps = oea_value(run.after, APPLIED, mode="verify") + oea_value(run.after, SKIPPED, mode="verify")
+    assert verify_steps == len(accept_lengths(run.log))
+    for layer in MOE_LAYERS:
+        before = oea_value(run.after, "sglang:oea_active_experts_before", layer=layer)
+        assert 2 <= oea_value(run.after, "sglang:oea_active_experts_after", layer=layer) < before
+    assert re.search(r"Decode batch.*OEA k0=2: applied \d+/\d+ verify steps", run.log)
+
+
+@pytest.mark.server
+def test_the_trained_draft_is_accepted(eagle_run):
+    """SGLang's accept length, per step and as its gauge: between 1 and the draft tokens, and above
+    1 on average (the MTP layer learned to predict the token after next)."""
+    lengths = accept_lengths(eagle_run.log)
+    assert lengths and all(1 <= n <= DRAFTS for n in lengths)
+    assert sum(lengths) / len(lengths) > 1.1
+    assert 1 <= oea_value(eagle_run.after, "sglang:spec_accept_length") <= DRAFTS
 
 
 # ----------------------------------------------------------------------------- TP=2, shared expert fused
@@ -188,18 +171,19 @@ class TestDeepseekV3AtTP1:
 @pytest.mark.server
 def test_tp2_with_a_fused_shared_expert_matches_and_ranks_agree(tmp_path_factory, deepseek):
     """The shared expert fused into the top-k as its ninth slot (SGLang's GPU layout for DeepSeek-V3;
-    off by default on the CPU) at --tp 2: transformers' greedy tokens at k0 >= top-k, as at TP=1;
-    then k0=2 at min-batch 2 under concurrent load, with the ranks' routing compared every step."""
+    off by default on the CPU) at --tp 2: transformers' greedy tokens at k0 >= top-k and off, k0=1
+    changes them; then k0=2 at min-batch 2 under concurrent load, with the ranks' routing compared
+    every step."""
     flags = (*FP32, *METRICS, "--tp", "2", "--enforce-shared-experts-fusion", "--oea-check-ranks", "1",
              "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
-    with serve(tmp_path_factory, deepseek["dir"], *flags) as (base, log):
-        assert greedy_ids(base, deepseek["prompts"]) == deepseek["ids"]
+    with serve(tmp_path_factory, MODEL, *flags) as (base, log):
+        check_identity_then_change(base, deepseek)
         set_live(base, oea_k0=2, oea_min_batch=2)
         assert all(r["usage"]["completion_tokens"] == 20 for r in concurrent(base, 6, 20))
         metrics = scrape(base)
         assert greedy_ids(base, deepseek["prompts"][:1]) == deepseek["ids"][:1], "batch 1 is below min-batch"
     for rank in ("0", "1"):
-        assert oea_value(metrics, APPLIED, tp_rank=rank) >= 10
+        assert oea_value(metrics, APPLIED, tp_rank=rank, k0="2") >= 10
         assert oea_value(metrics, "sglang:oea_rank_checks_total", tp_rank=rank) >= 10
     text = open(log).read()
     assert "Shared experts fusion optimization enabled." in text

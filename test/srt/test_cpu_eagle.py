@@ -1,24 +1,20 @@
-"""EAGLE with an MTP (nextn) draft on SGLang's CPU engine: the stand-in sgl_kernel's EAGLE bodies
-(cpu_stub/sgl_kernel/eagle_bodies.py) against SGLang's own Triton kernels, the draft's decode
-attention (sglang_oea.cpu_eagle) against a brute-force one, and one server: EAGLE with OEA armed,
-on a tiny Glm4MoeForCausalLM with one nextn layer (real random weights), whose greedy text must
-equal greedy decoding's without speculative decoding and whose draft passes OEA must leave alone.
+"""EAGLE with an MTP (nextn) draft on SGLang's CPU engine, without a server: the stand-in
+sgl_kernel's EAGLE bodies (cpu_stub/sgl_kernel/eagle_bodies.py) against SGLang's own Triton
+kernels, and the draft's decode attention (sglang_oea.cpu_eagle) against a brute-force one. The
+server test (EAGLE with the trained DeepSeek-V3 checkpoint's MTP layer as the draft, OEA in the
+target's verify passes only) is in test_cpu_deepseek.py.
 
 The Triton comparisons run in a TRITON_INTERPRET=1 child (Triton reads the variable once, at import).
 """
 
-import json
 import math
 import os
-import re
 import types
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from oea_fixtures import run_in_interpreter
-from test_server_e2e import make_model, oea_value, post, scrape, serve, transformers_greedy
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter child")
@@ -191,122 +187,3 @@ def test_draft_step_attention_matches_brute_force(step):
                 query = q.view(batch * topk, heads, dim)[b * topk + t, h]
                 want = (keys @ query / math.sqrt(dim)).softmax(0) @ values
                 torch.testing.assert_close(out[b * topk + t, h], want, rtol=1e-5, atol=1e-5)
-
-
-# ----------------------------------------------------------------------------- servers
-
-DRAFTS = 4  # SGLang's default for Glm4Moe: 3 draft steps, top-1, 4 draft tokens (a chain)
-EAGLE = ("--speculative-algorithm", "EAGLE", "--dtype", "float32", "--max-total-tokens", "8192",
-         "--decode-log-interval", "1")
-PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300, 42, 17], [3, 3, 3, 3], [250, 251, 252, 253, 254, 255, 256, 257]]
-GREEDY_TOKENS, CONCURRENT, CONCURRENT_TOKENS = 16, 8, 20
-APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
-
-
-def make_draftable(directory: str, scale: float = 0.1) -> None:
-    """Reshape a random GLM checkpoint so that its MTP draft often agrees with the target.
-
-    With plain random weights the draft almost never proposes the target's token, so every step
-    accepts nothing and the accept paths (accepted KV slots, bonus tokens, draft extend over
-    accepted tokens) never run. Here attention and MoE outputs are scaled by `scale`: the next
-    token depends mostly on the current one (and still on the context, through them), and the MTP
-    head's eh_proj passes on the embedding of the token it is given, so the draft predicts much
-    as the target does.
-    """
-    from safetensors.torch import load_file, save_file
-
-    path = os.path.join(directory, "model.safetensors")
-    with open(os.path.join(directory, "config.json")) as f:
-        cfg = json.load(f)
-    weights, hidden = load_file(path), cfg["hidden_size"]
-    for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = (tensor.float() * scale).to(tensor.dtype)
-    echo = torch.zeros(hidden, 2 * hidden)
-    echo[:, :hidden] = torch.eye(hidden)
-    weights[f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight"] = echo.to(torch.bfloat16)
-    save_file(weights, path)
-
-
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    directory = make_model(str(tmp_path_factory.mktemp("eagle") / "glm4_moe_mtp"), "glm4_moe", "--nextn-layers", "1",
-                           "--random-weights")
-    make_draftable(directory)
-    return directory
-
-
-def generate(base, ids, max_tokens):
-    params = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return json.loads(post(base + "/generate", {"input_ids": ids, "sampling_params": params}))["output_ids"]
-
-
-@pytest.fixture(scope="module")
-def plain_ids(mtp_model):
-    """Greedy ids without speculative decoding: transformers' (float32, the nextn layer unused).
-    A plain SGLang server gives the same ids for these prompts; transformers saves a server start."""
-    return transformers_greedy(mtp_model, PROMPTS, GREEDY_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def eagle_run(tmp_path_factory, mtp_model):
-    """One EAGLE server with OEA armed (k0 2 from 2 requests): greedy ids one request at a time
-    (below the floor: SGLang's own routing), then concurrent requests (routed), /metrics around."""
-    flags = (*EAGLE, "--oea-k0", "2", "--oea-min-batch", "2", "--enable-metrics")
-    with serve(tmp_path_factory, mtp_model, *flags) as (base, log):
-        start = scrape(base)
-        greedy = [generate(base, ids, GREEDY_TOKENS) for ids in PROMPTS]
-        alone = scrape(base)
-        with ThreadPoolExecutor(CONCURRENT) as pool:
-            prompts = [[10 + i, 20, 30 + i, 40] for i in range(CONCURRENT)]
-            outputs = list(pool.map(lambda ids: generate(base, ids, CONCURRENT_TOKENS), prompts))
-        after = scrape(base)
-    return types.SimpleNamespace(greedy=greedy, outputs=outputs, start=start, alone=alone, after=after,
-                                 log=open(log).read())
-
-
-def accept_lengths(log):
-    """SGLang's 'accept len' of every 'Decode batch' log line (one line per EAGLE step here)."""
-    return [float(m) for m in re.findall(r"Decode batch.*?accept len: ([\d.]+)", log)]
-
-
-@pytest.mark.server
-def test_eagle_greedy_text_equals_plain_greedy_decoding(plain_ids, eagle_run):
-    """Draft, verify, accept and draft extend on the CPU reproduce greedy decoding token for token."""
-    assert eagle_run.greedy == plain_ids
-
-
-@pytest.mark.server
-def test_concurrent_requests_finish_with_all_their_tokens(eagle_run):
-    assert [len(ids) for ids in eagle_run.outputs] == [CONCURRENT_TOKENS] * CONCURRENT
-
-
-@pytest.mark.server
-def test_oea_routes_the_targets_verify_passes_only(eagle_run):
-    run = eagle_run
-
-    def delta(name, old, new, **labels):
-        return oea_value(new, name, **labels) - oea_value(old, name, **labels)
-
-    assert delta(APPLIED, run.start, run.alone) == 0, "one request at a time stays below --oea-min-batch 2"
-    lone_steps = len(PROMPTS) * (GREEDY_TOKENS - 1) // DRAFTS  # at least: every step accepts at most 4
-    assert delta(SKIPPED, run.start, run.alone, mode="verify", reason="below_min_batch") >= lone_steps
-    assert delta(APPLIED, run.alone, run.after, mode="verify") >= 3
-    assert oea_value(run.after, APPLIED) == oea_value(run.after, APPLIED, mode="verify")
-    assert oea_value(run.after, APPLIED, mode="decode") + oea_value(run.after, SKIPPED, mode="decode") == 0
-    # Every EAGLE step runs one target verify pass and three draft passes (two draft decodes and a
-    # draft extend); exactly the verify passes are counted, one per 'Decode batch' line.
-    verify_steps = oea_value(run.after, APPLIED, mode="verify") + oea_value(run.after, SKIPPED, mode="verify")
-    assert verify_steps == len(accept_lengths(run.log))
-    for layer in ("0", "1"):
-        before = oea_value(run.after, "sglang:oea_active_experts_before", layer=layer)
-        assert 2 <= oea_value(run.after, "sglang:oea_active_experts_after", layer=layer) < before
-    assert "sglang-oea rank 0: OEA on, k0=2 min_batch=2" in run.log and "verify=on" in run.log
-    assert "speculative EAGLE: verify passes routed (rows = requests x draft tokens)" in run.log
-
-
-@pytest.mark.server
-def test_sglang_reports_accept_lengths_above_one(eagle_run):
-    lengths = accept_lengths(eagle_run.log)
-    assert lengths and all(1 <= n <= DRAFTS for n in lengths) and max(lengths) > 1
-    assert 1 <= oea_value(eagle_run.after, "sglang:spec_accept_length") <= DRAFTS

@@ -23,7 +23,7 @@ import pytest
 from sglang_oea import hooks, live_settings
 from sglang_oea.config import LiveSettings, OEAConfig
 from sglang_oea.live_settings import SettingRefused, check_request
-from test_server_e2e import (FP32, PROMPTS, TRAINED, complete, greedy_ids, heldout_prompts, oea_value, scrape, serve,
+from test_server_e2e import (FP32, PROMPTS, TOP_K, TRAINED, complete, greedy_ids, heldout_prompts, oea_value, scrape, serve,
                              transformers_greedy)
 
 STARTUP = OEAConfig(k0=0, min_batch=2, max_batch=32)  # the envelope: 2 <= min_batch, max_batch <= 32
@@ -273,6 +273,16 @@ def test_off_on_off_changes_routing_and_only_while_on(live, plain):
     # published just after its token is streamed, so `on` may lack the last one; `again` has it.)
     assert applied_steps(again) == applied_steps(again, k0="1") == off_at[2] - on_at[2]
     assert oea_value(again, SKIPPED, reason="oea_off") - oea_value(on, SKIPPED, reason="oea_off") >= 80
+
+
+@pytest.mark.server
+def test_k0_at_least_top_k_set_live_is_identical_to_plain(live, plain):
+    """k0 = the model's top-k, set live: a no-op, plain SGLang's greedy output."""
+    base, _ = live
+    change(base, oea_k0=TOP_K)
+    assert greedy_ids(base, plain["prompts"]) == plain["ids"]
+    assert oea_state(base)["k0"] == TOP_K
+    change(base, oea_k0=0)
 
 
 BAD = [

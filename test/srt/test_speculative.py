@@ -8,13 +8,14 @@ plain-torch bodies for the speculative ops (cpu_stub/sgl_kernel/cpu_bodies.py) a
 baselines load that plugin alone (HARNESS): SGLang's own routing.
 """
 
+import json
 import re
 
 import pytest
 
 pytestmark = pytest.mark.server
 
-from test_server_e2e import TOP_K, complete, concurrent, greedy_texts, make_model, oea_value, scrape, serve
+from test_server_e2e import TOP_K, complete, concurrent, greedy_texts, make_model, oea_value, post, scrape, serve
 
 DRAFTS = 4
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS),
@@ -53,16 +54,14 @@ def test_cpu_verify_path_reproduces_plain_greedy_decoding(tmp_path_factory, mode
     assert lengths and all(1 <= n <= DRAFTS for n in lengths)
 
 
-def test_k0_at_least_top_k_is_identical_to_plain_ngram(tmp_path_factory, model, plain_ngram):
-    with serve(tmp_path_factory, model, *NGRAM, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, log):
-        assert greedy_texts(base) == plain_ngram[0]
-    text = open(log).read()
-    assert "OEA no-op (k0 >= top-k)" in text and "speculative NGRAM: verify passes routed" in text
-
-
-def test_verify_passes_are_routed_with_fewer_experts(tmp_path_factory, model):
-    flags = (*NGRAM, "--oea-k0", "4", "--oea-min-batch", "2", "--enable-metrics")
+def test_k0_top_k_is_identical_then_k0_4_routes_verify_passes(tmp_path_factory, model, plain_ngram):
+    """One server started at k0 = top-k (a no-op: SGLang's own routing under the same NGRAM
+    settings), then k0 4 and min-batch 2 set live."""
+    flags = (*NGRAM, "--oea-k0", str(TOP_K), "--oea-min-batch", "1", "--enable-metrics")
     with serve(tmp_path_factory, model, *flags) as (base, log):
+        assert greedy_texts(base) == plain_ngram[0]
+        settings = {"oea_k0": 4, "oea_min_batch": 2}
+        assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True]
         start = scrape(base)
         complete(base, "alone", 12, ignore_eos=True)  # verify passes of 1 request < min batch 2
         alone = scrape(base)
@@ -84,6 +83,7 @@ def test_verify_passes_are_routed_with_fewer_experts(tmp_path_factory, model):
     lengths = accept_lengths(log)
     assert lengths and all(1 <= n <= DRAFTS for n in lengths) and max(lengths) > 1
     text = open(log).read()
-    assert "sglang-oea rank 0: OEA on, k0=4 min_batch=2" in text and "verify=on" in text
+    assert "OEA no-op (k0 >= top-k)" in text and "verify=on" in text
+    assert "settings k0=8 min_batch=1 max_batch=0 -> k0=4 min_batch=2 max_batch=0" in text
     assert "speculative NGRAM: verify passes routed (rows = requests x draft tokens)" in text
     assert re.search(r"Decode batch.*OEA k0=4: applied \d+/\d+ verify steps, experts/layer/step [\d.]+ -> [\d.]+", text)

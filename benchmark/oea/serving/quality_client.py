@@ -49,16 +49,35 @@ def flush_cache(base_url: str) -> bool:
 
 
 def complete(base_url: str, model: str, prompt: Prompt, opts: argparse.Namespace) -> Dict:
-    """One greedy completion: {"text", "token_ids", "finish_reason"}."""
+    """One greedy completion: {"text", "token_ids", "finish_reason"}, and "spec" when
+    opts.spec_details is set (a speculative-decoding server's own figures for this request)."""
+    spec = getattr(opts, "spec_details", False)  # only the speculative study's namespaces carry it
     payload = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
                "max_tokens": opts.max_tokens, "temperature": 0, "return_token_ids": True}
     if opts.ignore_eos:
         payload["ignore_eos"] = True
-    choice = http_json(base_url + "/v1/completions", payload, opts.timeout)["choices"][0]
+    if spec:
+        payload["return_spec_tokens_details"] = True
+    answer = http_json(base_url + "/v1/completions", payload, opts.timeout)
+    choice = answer["choices"][0]
     if choice.get("token_ids") is None:
         raise RuntimeError(f"{base_url}: no choices[0].token_ids in the answer; the server must support "
                            "SGLang's return_token_ids")
-    return {"text": choice["text"], "token_ids": choice["token_ids"], "finish_reason": choice.get("finish_reason")}
+    out = {"text": choice["text"], "token_ids": choice["token_ids"], "finish_reason": choice.get("finish_reason")}
+    if spec:
+        out["spec"] = spec_figures(answer, base_url)
+    return out
+
+
+def spec_figures(answer: Dict, base_url: str) -> Dict:
+    """SGLang's speculative figures of one request ("sglext": {"spec_tokens_details": ...}, asked
+    with return_spec_tokens_details): {"accept_length": completion tokens / verify steps,
+    "verify_steps"}. RuntimeError when the server did not send them (not speculative)."""
+    details = (answer.get("sglext") or {}).get("spec_tokens_details")
+    if not details or not details.get("spec_verify_ct"):
+        raise RuntimeError(f"{base_url}: no sglext.spec_tokens_details in the answer; is the server running "
+                           "with --speculative-algorithm?")
+    return {"accept_length": details["spec_accept_length"], "verify_steps": details["spec_verify_ct"]}
 
 
 def run_arm(name: str, base_url: str, items: Sequence[Item], opts: argparse.Namespace) -> Dict:

@@ -123,7 +123,8 @@ def budget_grid(oea_t: Sequence[float], base: Scored) -> List[int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=[os.path.join(BENCH, "models", m)
-                                                        for m in ("qwen3_moe_stdlib", "glm4_moe_stdlib")])
+                                                        for m in ("qwen3_moe_stdlib", "glm4_moe_stdlib",
+                                                                  "deepseek_v3_stdlib")])
     parser.add_argument("--batches", nargs="+", type=int, default=[4, 16, 64])
     parser.add_argument("--count", type=int, default=256, help="held-out sequences (a multiple of every B)")
     parser.add_argument("--prompt-len", type=int, default=32)

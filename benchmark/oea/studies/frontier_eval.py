@@ -21,7 +21,7 @@ from studies import policies as pol
 
 
 def router_spec(gate: torch.nn.Module) -> RouterSpec:
-    """The RouterSpec of a transformers Qwen3-MoE or GLM-4-MoE router module."""
+    """The RouterSpec of a transformers Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 router module."""
     bias = getattr(gate, "e_score_correction_bias", None)
     if bias is None:
         return RouterSpec("softmax")
@@ -117,7 +117,8 @@ def load_model(model_dir: str):
 
 
 def install(model) -> List[BatchRoutedGate]:
-    """Wrap every MoE layer's router of a Qwen3-MoE / GLM-4-MoE model (idempotent)."""
+    """Wrap every MoE layer's router of a Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 model (dense layers are left
+    alone; idempotent)."""
     wrapped = []
     for layer in model.model.layers:
         gate = getattr(layer.mlp, "gate", None)

@@ -48,7 +48,7 @@ from serving.quality_scoring import (AGREEMENT_DEFINITION, BOOTSTRAP_RESAMPLES, 
 from serving.servers import RECORDED_ENV, child_env, cpu_server  # noqa: E402
 
 MODELS_DIR = os.path.join(BENCH, "models")
-DEFAULT_MODELS = ("qwen3_moe_stdlib", "glm4_moe_stdlib")
+DEFAULT_MODELS = ("qwen3_moe_stdlib", "glm4_moe_stdlib", "deepseek_v3_stdlib")
 LABEL = "2-core CPU machine, 2026-12-01, tiny trained models; says nothing about GLM-5 quality"
 # Every server's flags; OEA servers add only --oea-k0. Metrics every decode step: exact step
 # counters, and one 'Decode batch' line (with T before -> after) per decode step.
@@ -286,11 +286,11 @@ def signed(value: Optional[float], digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:+.{digits}f}"
 
 
-def delta(section: Dict) -> str:
+def delta(section: Dict, digits: int = 4) -> str:
     """'+0.0123 [-0.0050, +0.0300]' of a paired difference (bootstrap interval)."""
     ci = section["ci95"]
-    bounds = "n/a" if ci is None else f"[{signed(ci[0])}, {signed(ci[1])}]"
-    return f"{signed(section['mean'])} {bounds}"
+    bounds = "n/a" if ci is None else f"[{signed(ci[0], digits)}, {signed(ci[1], digits)}]"
+    return f"{signed(section['mean'], digits)} {bounds}"
 
 
 def experts_cell(experts: Dict) -> str:
@@ -365,9 +365,14 @@ def write_outputs(out_dir: str, study: Dict, per_prompt: List[Dict], argv: Seque
         f.write(render_markdown(study))
     with open(os.path.join(out_dir, "per_prompt.jsonl"), "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in per_prompt)
+    write_command(out_dir, __file__, argv)
+
+
+def write_command(out_dir: str, script: str, argv: Sequence[str]) -> None:
+    """OUT/command.txt: the recorded environment and the command line that ran `script`."""
     env = " ".join(f"{k}={os.environ[k]}" for k in RECORDED_ENV if k in os.environ)
     with open(os.path.join(out_dir, "command.txt"), "w") as f:
-        f.write((env + " " if env else "") + shlex.join([sys.executable, os.path.relpath(__file__), *argv]) + "\n")
+        f.write((env + " " if env else "") + shlex.join([sys.executable, os.path.relpath(script), *argv]) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------

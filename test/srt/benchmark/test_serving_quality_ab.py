@@ -3,7 +3,8 @@ intervals are tested in test_common_stats.py), the measures of studies/quality_l
 trained-model study; no server), then both arms on real servers.
 
 The server tests start one CPU server at a time (2 cores): the baseline arm is saved once and
-reused (--baseline-from) by each OEA server's run; the servers differ only in their --oea-* flags.
+reused (--baseline-from) by the OEA server's runs; that server differs only in its --oea-* flags,
+and its second run's k0 is set live.
 
 The tiny model has a checkpoint with real random weights (tiny_model --random-weights) instead of
 --load-format dummy: dummy weights are uniform in +-1e-3 for every tensor, norms included, so the
@@ -25,7 +26,7 @@ from common import stats
 from serving import oea_metrics, quality_ab as qa, quality_client, quality_inputs as qi, quality_scoring as qs
 from serving.quality_report import write_json
 from studies import quality_learned as ql
-from test_server_e2e import TOP_K, make_model, serve
+from test_server_e2e import TOP_K, make_model, post, serve
 
 
 NUM_PROMPTS, CONCURRENCY, MAX_TOKENS = 24, 8, 16
@@ -414,20 +415,18 @@ def test_same_server_in_both_arms_is_identical(baseline):
 
 
 @server
-def test_k0_at_least_top_k_is_identical(tmp_path_factory, model, prompts, baseline):
+def test_k0_top_k_is_identical_then_k0_1_diverges(tmp_path_factory, model, prompts, baseline):
+    """One OEA server: started at k0 = top-k (a no-op), then k0 1 at min-batch 2 set live."""
     out = tmp_path_factory.mktemp("quality_k0_8")
     with serve_url(tmp_path_factory, model, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as url:
         report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
-    check_report_structure(report, out)
-    assert report["agreement"]["identical_share"] == 1.0
-    assert report["agreement"]["token_agreement"] == 1.0
-    assert report["oea_applied"] is None or not report["oea_applied"]["applied_steps"]
-
-
-@server
-def test_k0_1_diverges_and_reports_applied_steps(tmp_path_factory, model, prompts, baseline):
-    out = tmp_path_factory.mktemp("quality_k0_1")
-    with serve_url(tmp_path_factory, model, "--oea-k0", "1", "--oea-min-batch", "2") as url:
+        check_report_structure(report, out)
+        assert report["agreement"]["identical_share"] == 1.0
+        assert report["agreement"]["token_agreement"] == 1.0
+        assert report["oea_applied"] is None or not report["oea_applied"]["applied_steps"]
+        settings = {"oea_k0": 1, "oea_min_batch": 2}
+        assert json.loads(post(url + "/set_internal_state", {"server_args": settings})) == [True]
+        out = tmp_path_factory.mktemp("quality_k0_1")
         report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
     check_report_structure(report, out)
     agreement = report["agreement"]

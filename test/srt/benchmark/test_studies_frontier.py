@@ -1,5 +1,5 @@
-"""benchmark/oea/studies/frontier*.py and policies.py: the evaluator's self-checks on tiny random Qwen3-MoE
-and GLM-4-MoE models built here, each policy against brute force or a hand-computed case, T
+"""benchmark/oea/studies/frontier*.py and policies.py: the evaluator's self-checks on tiny random Qwen3-MoE,
+GLM-4-MoE and DeepSeek-V3 models built here, each policy against brute force or a hand-computed case, T
 counting, and the frontier.json row keys."""
 
 import json
@@ -18,27 +18,38 @@ PROMPT = 5
 
 
 def tiny_model(arch: str):
-    """A 2-layer, 16-expert, top-4 random model (GLM: 4 groups, 2 selected, a correction bias)."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """A 16-expert, top-4 random model with 2 MoE layers (GLM: 4 groups, 2 selected, a correction
+    bias; DeepSeek-V3: MLA, one group, a correction bias, after a dense first layer)."""
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=8,
                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                   num_experts_per_tok=K, norm_topk_prob=True)
+    sigmoid = dict(n_routed_experts=N, n_shared_experts=1, routed_scaling_factor=2.5)
     torch.manual_seed(0)
     if arch == "qwen":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=N, **common))
+    elif arch == "glm":
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(n_group=4, topk_group=2, first_k_dense_replace=0, **sigmoid, **common))
     else:
-        model = Glm4MoeForCausalLM(Glm4MoeConfig(n_routed_experts=N, n_group=4, topk_group=2, n_shared_experts=1,
-                                                 routed_scaling_factor=2.5, first_k_dense_replace=0, **common))
+        mla = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**common, "num_hidden_layers": 3, "head_dim": 8}, n_group=1,
+                                                       topk_group=1, first_k_dense_replace=1, **sigmoid, **mla))
     with torch.no_grad():  # skewed, distinct router scores, so that policies differ
-        for layer in model.model.layers:
+        for layer in fe_moe_layers(model):
             layer.mlp.gate.weight.normal_(0, 0.5)
             if hasattr(layer.mlp.gate, "e_score_correction_bias"):
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     return model.float().eval()
 
 
-@pytest.fixture(scope="module", params=["qwen", "glm"])
+def fe_moe_layers(model):
+    """The decoder layers with a router (a DeepSeek-V3 model's first layer is dense)."""
+    return [layer for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+@pytest.fixture(scope="module", params=["qwen", "glm", "deepseek"])
 def model(request):
     return tiny_model(request.param)
 
@@ -314,7 +325,7 @@ def test_plain_T_is_the_union_of_each_step(model, windows):
     got = fe.evaluate(model, windows, 4, PROMPT, pol.plain)
     recorded = []
     hooks = [layer.mlp.gate.gate.register_forward_hook(lambda m, i, o: recorded.append(o[2]))
-             for layer in model.model.layers]
+             for layer in fe_moe_layers(model)]
     with torch.no_grad():
         model(input_ids=windows[:4, :-1], use_cache=False)
     for h in hooks:

@@ -12,17 +12,23 @@ from training import train_moe as tm
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MODELS = os.path.join(ROOT, "benchmark", "oea", "models")
 SHIPPED = ("qwen3_moe_stdlib", "glm4_moe_stdlib", "deepseek_v3_stdlib")
-# Trained by `train_moe.py --arch deepseek_v3` (benchmark/oea/training/README.md); until that
-# checkpoint is committed, its two tests skip and say so.
-NOT_YET_SHIPPED = {"deepseek_v3_stdlib"}
 MAX_BYTES = 30 * 1024 * 1024
+# What OEA reads from each checkpoint's config (sglang_oea.model_info): N, top-k, family, groups.
+SHAPES = {"qwen3_moe_stdlib": "N=128 top-k=8 routing=softmax",
+          "glm4_moe_stdlib": "N=256 top-k=8 routing=sigmoid+bias, groups 4/8",
+          "deepseek_v3_stdlib": "N=256 top-k=8 routing=sigmoid+bias"}
 
 
 def shipped_dir(name: str) -> str:
-    model_dir = os.path.join(MODELS, name)
-    if name in NOT_YET_SHIPPED and not os.path.isfile(os.path.join(model_dir, "training.json")):
-        pytest.skip(f"{name} is not trained yet (benchmark/oea/training/README.md has the command)")
-    return model_dir
+    return os.path.join(MODELS, name)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_model_info_reads_each_shipped_checkpoint(name):
+    from sglang_oea.model_info import read_moe_shape
+
+    with open(os.path.join(shipped_dir(name), "config.json")) as f:
+        assert read_moe_shape(json.load(f)).describe() == SHAPES[name]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
