@@ -16,7 +16,7 @@ $(STAMP): python/pyproject.toml
 	$(VPY) -m pip install --quiet -e "python[test]"
 	touch $(STAMP)
 
-# Everything, the real-server end-to-end tests included (about 40 minutes on 2 cores). The tests
+# Everything, the real-server end-to-end tests included (about 45 minutes on 2 cores after setup). The tests
 # without a server run in two workers, a file per worker (most of their time is Triton's
 # interpreter and SGLang imports in child processes); then the server tests, one server at a time.
 test: install

@@ -49,7 +49,9 @@ from serving.servers import RECORDED_ENV, child_env, cpu_server  # noqa: E402
 
 MODELS_DIR = os.path.join(BENCH, "models")
 DEFAULT_MODELS = ("qwen3_moe_stdlib", "glm4_moe_stdlib", "deepseek_v3_stdlib")
-LABEL = "2-core CPU machine, 2026-12-01, tiny trained models; says nothing about GLM-5 quality"
+# The machine and the day of the run, in every report.
+LABEL = (f"{os.cpu_count()}-core CPU machine, {time.strftime('%Y-%m-%d')}, tiny trained models; says nothing "
+         "about GLM-5 quality")
 # Every server's flags; OEA servers add only --oea-k0. Metrics every decode step: exact step
 # counters, and one 'Decode batch' line (with T before -> after) per decode step.
 SERVER_FLAGS = ("--random-seed", "0", "--enable-metrics", "--decode-log-interval", "1")
