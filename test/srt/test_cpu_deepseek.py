@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server_e2e import (TRAINED_DIR, complete, concurrent, greedy_ids, heldout_prompts, oea_value, post, scrape,
-                             serve, transformers_greedy)
+from test_server_e2e import (TRAINED_DIR, accept_lengths, complete, concurrent, greedy_ids, heldout_prompts,
+                             oea_value, post, scrape, serve, set_live, transformers_greedy)
 
 MODEL = os.path.join(TRAINED_DIR, "deepseek_v3_stdlib")
 TOP_K, NUM_EXPERTS, MOE_LAYERS = 8, 256, ("1", "2", "3")  # layer 0 is dense
@@ -45,10 +45,6 @@ def deepseek():
     """{"prompts", "ids"}: held-out prompts and transformers' float32 greedy ids for them."""
     prompts = heldout_prompts(MODEL)
     return {"prompts": prompts, "ids": transformers_greedy(MODEL, prompts)}
-
-
-def set_live(base, **settings):
-    assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True], settings
 
 
 def check_identity_then_change(base, deepseek):
@@ -80,11 +76,6 @@ def test_torch_native_runs_mla_absorbed(chosen):
 
 
 # ----------------------------------------------------------------------------- TP=1, EAGLE with the MTP draft
-
-
-def accept_lengths(log):
-    """SGLang's 'accept len' of every 'Decode batch' log line (one line per EAGLE step here)."""
-    return [float(m) for m in re.findall(r"Decode batch.*?accept len: ([\d.]+)", log)]
 
 
 @pytest.fixture(scope="module")

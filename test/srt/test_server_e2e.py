@@ -82,6 +82,16 @@ def complete(base, prompt, max_tokens=16, **extra):
     return json.loads(post(base + "/v1/completions", payload))
 
 
+def set_live(base, **settings):
+    """POST /set_internal_state {"server_args": settings}: every rank accepts (SGLang answers [true])."""
+    assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True], settings
+
+
+def accept_lengths(log_text):
+    """SGLang's 'accept len' of every 'Decode batch' line of a server log's text."""
+    return [float(m) for m in re.findall(r"Decode batch.*?accept len: ([\d.]+)", log_text)]
+
+
 def greedy_texts(base):
     return [complete(base, p)["choices"][0]["text"] for p in PROMPTS]
 
@@ -248,9 +258,9 @@ def test_glm_at_k0_top_k_then_off_then_k0_3(tmp_path_factory, models, glm_refere
     prompts, reference = glm_reference["prompts"], glm_reference["ids"]
     with serve(tmp_path_factory, models["glm4_moe_trained"], *flags) as (base, log):
         assert greedy_ids(base, prompts) == reference, "k0 >= top-k: SGLang's own routing"
-        assert json.loads(post(base + "/set_internal_state", {"server_args": {"oea_k0": 0}})) == [True]
+        set_live(base, oea_k0=0)
         assert greedy_ids(base, prompts) == reference, "armed, off: SGLang's own routing"
-        assert json.loads(post(base + "/set_internal_state", {"server_args": {"oea_k0": 3}})) == [True]
+        set_live(base, oea_k0=3)
         start = scrape(base)
         # One request at a time (B=1, no timing involved): each token keeps its own top-3 only, which
         # moves greedy tokens of this trained model. So the identity checks above can fail.

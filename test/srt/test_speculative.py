@@ -8,14 +8,14 @@ plain-torch bodies for the speculative ops (cpu_stub/sgl_kernel/cpu_bodies.py) a
 baselines load that plugin alone (HARNESS): SGLang's own routing.
 """
 
-import json
 import re
 
 import pytest
 
 pytestmark = pytest.mark.server
 
-from test_server_e2e import TOP_K, complete, concurrent, greedy_texts, make_model, oea_value, post, scrape, serve
+from test_server_e2e import (TOP_K, accept_lengths, complete, concurrent, greedy_texts, make_model, oea_value, scrape,
+                             serve, set_live)
 
 DRAFTS = 4
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS),
@@ -40,17 +40,12 @@ def plain_ngram(tmp_path_factory, model):
     return texts, log
 
 
-def accept_lengths(log):
-    """SGLang's 'accept len' of every 'Decode batch' log line."""
-    return [float(m) for m in re.findall(r"Decode batch.*?accept len: ([\d.]+)", open(log).read())]
-
-
 def test_cpu_verify_path_reproduces_plain_greedy_decoding(tmp_path_factory, model, plain_ngram):
     """Greedy speculative decoding must give greedy decoding's text: the CPU verify path (stand-in
     ops, harness attention) is sound. Plain SGLang without speculative decoding or plugins."""
     with serve(tmp_path_factory, model, plugins=False) as (base, _):
         assert greedy_texts(base) == plain_ngram[0]
-    lengths = accept_lengths(plain_ngram[1])
+    lengths = accept_lengths(open(plain_ngram[1]).read())
     assert lengths and all(1 <= n <= DRAFTS for n in lengths)
 
 
@@ -60,8 +55,7 @@ def test_k0_top_k_is_identical_then_k0_4_routes_verify_passes(tmp_path_factory, 
     flags = (*NGRAM, "--oea-k0", str(TOP_K), "--oea-min-batch", "1", "--enable-metrics")
     with serve(tmp_path_factory, model, *flags) as (base, log):
         assert greedy_texts(base) == plain_ngram[0]
-        settings = {"oea_k0": 4, "oea_min_batch": 2}
-        assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True]
+        set_live(base, oea_k0=4, oea_min_batch=2)
         start = scrape(base)
         complete(base, "alone", 12, ignore_eos=True)  # verify passes of 1 request < min batch 2
         alone = scrape(base)
@@ -80,7 +74,7 @@ def test_k0_top_k_is_identical_then_k0_4_routes_verify_passes(tmp_path_factory, 
         before = oea_value(after, "sglang:oea_active_experts_before", layer=layer)
         assert 4 <= oea_value(after, "sglang:oea_active_experts_after", layer=layer) < before
     assert 1 <= oea_value(after, "sglang:spec_accept_length") <= DRAFTS
-    lengths = accept_lengths(log)
+    lengths = accept_lengths(open(log).read())
     assert lengths and all(1 <= n <= DRAFTS for n in lengths) and max(lengths) > 1
     text = open(log).read()
     assert "OEA no-op (k0 >= top-k)" in text and "verify=on" in text

@@ -13,7 +13,6 @@ shows that they can fail. A server started without --oea-k0 installs no hooks at
 (test_server_e2e.py, TP=1). One server at a time (2 cores).
 """
 
-import json
 import os
 import re
 import textwrap
@@ -25,7 +24,7 @@ import torch
 
 from test_live_settings import changes_logged
 from test_server_e2e import (FP32, TOP_K, concurrent, greedy_ids, heldout_prompts, models, oea_value,  # noqa: F401
-                             post, scrape, serve, transformers_greedy)
+                             post, scrape, serve, set_live, transformers_greedy)
 
 pytestmark = pytest.mark.server
 
@@ -110,8 +109,7 @@ def test_ranks_route_alike_under_load_and_off_is_identical(tmp_path_factory, mod
         assert greedy_ids(base, reference["prompts"]) != reference["ids"]
         check_live_changes(base, log)
         for k0 in (TOP_K, 0):  # a no-op, then off: SGLang's own routing on both ranks
-            settings = {"oea_k0": k0, "oea_min_batch": 1, "oea_max_batch": 0}
-            assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True]
+            set_live(base, oea_k0=k0, oea_min_batch=1, oea_max_batch=0)
             assert greedy_ids(base, reference["prompts"]) == reference["ids"], k0
     assert rank_lines(log, r"sglang-oea rank \d: OEA on, k0=1 .* check_ranks=1") == {"0": 1, "1": 1}
     assert "routed different experts" not in open(log).read()
@@ -127,7 +125,7 @@ def check_live_changes(base, log):
     checks = oea_value(scrape(base), "sglang:oea_rank_checks_total", tp_rank="1")
     logged = len(changes_logged(log))
     for settings in LIVE_CHANGES:
-        assert json.loads(post(base + "/set_internal_state", {"server_args": settings})) == [True]
+        set_live(base, **settings)
         assert all(r["usage"]["completion_tokens"] == 12 for r in concurrent(base, 4, 12))
     by_rank = {}
     for rank, _, new, step in changes_logged(log)[logged:]:

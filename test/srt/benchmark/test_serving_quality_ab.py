@@ -26,7 +26,7 @@ from common import stats
 from serving import oea_metrics, quality_ab as qa, quality_client, quality_inputs as qi, quality_scoring as qs
 from serving.quality_report import write_json
 from studies import quality_learned as ql
-from test_server_e2e import TOP_K, make_model, post, serve
+from test_server_e2e import TOP_K, make_model, serve, set_live
 
 
 NUM_PROMPTS, CONCURRENCY, MAX_TOKENS = 24, 8, 16
@@ -424,8 +424,7 @@ def test_k0_top_k_is_identical_then_k0_1_diverges(tmp_path_factory, model, promp
         assert report["agreement"]["identical_share"] == 1.0
         assert report["agreement"]["token_agreement"] == 1.0
         assert report["oea_applied"] is None or not report["oea_applied"]["applied_steps"]
-        settings = {"oea_k0": 1, "oea_min_batch": 2}
-        assert json.loads(post(url + "/set_internal_state", {"server_args": settings})) == [True]
+        set_live(url, oea_k0=1, oea_min_batch=2)
         out = tmp_path_factory.mktemp("quality_k0_1")
         report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
     check_report_structure(report, out)
