@@ -29,8 +29,12 @@ class PassAccounts:
     def __init__(self, cfg: OEAConfig):
         self.cfg = cfg
         self.routed_steps = 0  # decode and verify steps counted (applied or skipped)
-        self.captured: Dict[Tuple[str, int], Optional[str]] = {}  # (mode, bucket) -> outcome of its capture
-        self.captured_top_k: Dict[Tuple[str, int], int] = {}  # (mode, bucket) -> top-k of the layers it routed
+        # (mode, bucket in requests, token rows per request) -> outcome of its capture, and the top-k
+        # of the layers it routed. Rows per request are part of the key: under adaptive speculative
+        # decoding one verify runner per draft width captures the same buckets, and a wider runner
+        # may leave a bucket unrouted (the cap counts rows) that a narrower one routed.
+        self.captured: Dict[Tuple[str, int, int], Optional[str]] = {}
+        self.captured_top_k: Dict[Tuple[str, int, int], int] = {}
         self.applied_by_k0: Counter = Counter()  # (pass mode, k0) -> steps whose ids OEA rewrote
         self.skipped_by_k0: Counter = Counter()  # (pass mode, k0, reason) -> steps without OEA
         self.warned_no_ids = False
@@ -72,8 +76,9 @@ class PassAccounts:
         was a serving pass, now counted."""
         if step.graph:
             if step.routed:  # replays of this bucket hold routing iff this capture pass routed
-                self.captured[(step.mode, step.requests)] = step.tally.outcome()
-                self.captured_top_k[(step.mode, step.requests)] = step.tally.top_k
+                key = (step.mode, step.requests, step.rows_per_request)
+                self.captured[key] = step.tally.outcome()
+                self.captured_top_k[key] = step.tally.top_k
             return False
         if step.mode == DRAFT:
             return False
@@ -100,7 +105,7 @@ class PassAccounts:
         """A replayed graph rewrote ids iff its capture pass routed and the pass's k0 is below the
         top-k of the layers it routed (the device gate agrees with the host gate, which already
         passed: k0 >= 1 and the batch inside min_batch..max_batch)."""
-        key = (step.mode, step.tally.replayed_bucket)
+        key = (step.mode, step.tally.replayed_bucket, step.rows_per_request)
         outcome = self.captured.get(key, SKIP_NO_IDS)
         if outcome is None and key in self.captured_top_k and step.settings.k0 >= self.captured_top_k[key]:
             return SKIP_NOOP

@@ -18,6 +18,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIN_BATCH = 4
 DEPRECATED_ENV_K0 = "SGLANG_OEA_K0"
 KERNEL_CHOICES = ("auto", "triton", "torch")
+# Upper bounds, the same for the flags and for live changes. The settings live in an int32 device
+# control block, and the device gate compares rows >= min_batch x rows-per-request in int32: with
+# min_batch <= MAX_BATCH (2^16) and at most MAX_ROWS_PER_REQUEST (2^14) token rows per request
+# (speculative draft tokens, refused above that at startup) the product stays <= 2^30, so the
+# device gate never wraps and always agrees with the host gate. 65,536 rows is far above any
+# decode batch SGLang runs; a cap that high is no cap in practice (0 says so directly).
+MAX_K0 = 64  # the largest top-k the fused kernel and the torch path support (kernels.checks.MAX_TOP_K)
+MAX_BATCH = 1 << 16
+MAX_ROWS_PER_REQUEST = 1 << 14
 SWITCH_CHOICES = {"on": True, "off": False}
 # The keywords of sglang.Engine(...), named like the flags' argparse destinations.
 ENGINE_KEYWORDS = (
@@ -74,9 +83,9 @@ class OEAConfig:
     verify: bool = True
 
     def __post_init__(self):
-        require_int("--oea-k0", self.k0, minimum=0, allow_none=True)
-        require_int("--oea-min-batch", self.min_batch, minimum=1)
-        require_int("--oea-max-batch", self.max_batch, minimum=0)
+        require_int("--oea-k0", self.k0, minimum=0, maximum=MAX_K0, allow_none=True)
+        require_int("--oea-min-batch", self.min_batch, minimum=1, maximum=MAX_BATCH)
+        require_int("--oea-max-batch", self.max_batch, minimum=0, maximum=MAX_BATCH)
         require_int("--oea-dump-steps", self.dump_steps, minimum=1)
         require_int("--oea-check-ranks", self.check_ranks, minimum=0)
         if self.kernel not in KERNEL_CHOICES:
@@ -112,13 +121,14 @@ class OEAConfig:
         )
 
 
-def require_int(flag: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    """Raise ValueError naming `flag` unless value is an int >= minimum (or None when allowed).
-    A bool or a float (3.0 included) is not an int here."""
+def require_int(flag: str, value: Any, minimum: int, maximum: Optional[int] = None, allow_none: bool = False) -> None:
+    """Raise ValueError naming `flag` unless value is an int in minimum..maximum (or None when
+    allowed; maximum None = no upper bound). A bool or a float (3.0 included) is not an int here."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"{flag} must be an integer {allowed}, got {value!r}")
 
 
 def check_batch_window(min_name: str, min_batch: int, max_name: str, max_batch: int) -> None:
@@ -136,13 +146,13 @@ def parse_switch(flag: str, value: Any) -> bool:
     return SWITCH_CHOICES[value]
 
 
-def parse_int_flag(flag: str, text: str, minimum: int) -> int:
-    """Parse a flag's text as an int >= minimum, or raise ValueError naming the flag."""
+def parse_int_flag(flag: str, text: str, minimum: int, maximum: Optional[int] = None) -> int:
+    """Parse a flag's text as an int in minimum..maximum, or raise ValueError naming the flag."""
     try:
         value = int(text, 10)
     except (TypeError, ValueError):
-        raise ValueError(f"{flag} must be an integer >= {minimum}, got {text!r}") from None
-    require_int(flag, value, minimum)
+        value = text  # not an integer: require_int refuses it, naming the allowed range
+    require_int(flag, value, minimum, maximum)
     return value
 
 
@@ -152,7 +162,7 @@ def k0_from_environment(environ: Mapping[str, str]) -> Optional[int]:
     if not text:
         return None
     logger.warning("%s is deprecated; use the server flag --oea-k0 %s instead.", DEPRECATED_ENV_K0, text)
-    return parse_int_flag(DEPRECATED_ENV_K0, text, minimum=1)
+    return parse_int_flag(DEPRECATED_ENV_K0, text, minimum=1, maximum=MAX_K0)
 
 
 def build_config(values: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> OEAConfig:

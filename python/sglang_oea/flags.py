@@ -10,7 +10,8 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 from sglang_oea.config import (
-    DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, SWITCH_CHOICES, OEAConfig, build_config, parse_int_flag,
+    DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, MAX_BATCH, MAX_K0, MAX_ROWS_PER_REQUEST, SWITCH_CHOICES,
+    OEAConfig, build_config, parse_int_flag,
 )
 from sglang_oea.model_info import SUPPORTED_FAMILIES, MoEShape, read_moe_shape
 
@@ -41,10 +42,10 @@ WORKING_BACKENDS = (
 )
 
 
-def _int_type(flag: str, minimum: int) -> Callable[[str], int]:
+def _int_type(flag: str, minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
-            return parse_int_flag(flag, text, minimum)
+            return parse_int_flag(flag, text, minimum, maximum)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -58,19 +59,19 @@ def add_oea_arguments(parser: argparse.ArgumentParser) -> None:
         "Batch-aware MoE routing for decode (arXiv 2511.02237). Not installed unless --oea-k0 is given.",
     )
     group.add_argument(
-        "--oea-k0", type=_int_type("--oea-k0", 0), default=None, metavar="K0",
+        "--oea-k0", type=_int_type("--oea-k0", 0, MAX_K0), default=None, metavar="K0",
         help="Experts each token keeps as its own; the rest of its top-k is refilled "
         "from experts the decode batch already loads. k0 >= the model's top-k is a no-op. 0 installs OEA "
         "but leaves it off (plain SGLang routing) until POST /set_internal_state sets oea_k0; "
         "k0, --oea-min-batch and --oea-max-batch can be changed that way on a running server.",
     )
     group.add_argument(
-        "--oea-min-batch", type=_int_type("--oea-min-batch", 1), default=DEFAULT_MIN_BATCH, metavar="M",
+        "--oea-min-batch", type=_int_type("--oea-min-batch", 1, MAX_BATCH), default=DEFAULT_MIN_BATCH, metavar="M",
         help=f"Apply OEA only to decode batches with at least M real requests (default {DEFAULT_MIN_BATCH}; "
         "B=1 would be pure top-k0 pruning).",
     )
     group.add_argument(
-        "--oea-max-batch", type=_int_type("--oea-max-batch", 0), default=0, metavar="M",
+        "--oea-max-batch", type=_int_type("--oea-max-batch", 0, MAX_BATCH), default=0, metavar="M",
         help="Skip OEA above M routed token rows (requests in decode, requests x draft tokens in a "
         "speculative verify pass), where the batch touches nearly every expert anyway "
         "(0 = no cap; see docs/operating.md for choosing M).",

@@ -60,6 +60,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from sglang_oea import flags, live_settings, routing_scope, startup_checks
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
+from sglang_oea.passes import verify_cap_problem
 from sglang_oea.rank_check import RankCheck
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime, graph_capture_active
 
@@ -92,6 +93,7 @@ REFUSAL_TARGETS = (UPDATE_HANDLERS,)  # OEA not installed: their refusal
 _runtime: Optional[OEARuntime] = None
 _topk_signature: Optional[inspect.Signature] = None
 _draft_runner = False  # inside a forward pass or graph capture of the draft model's runner
+_replaying = False  # inside DecodeCudaGraphRunner.execute (a graph replay)
 
 
 class OEAStartupError(ValueError):
@@ -165,7 +167,7 @@ def check_resolved_arguments(server_args: Any) -> None:
     if cfg is None or not cfg.enabled:
         return
     try:
-        startup_checks.check_resolved_arguments(server_args)
+        startup_checks.check_resolved_arguments(server_args, cfg)
     except ValueError as exc:
         raise OEAStartupError(str(exc)) from None
 
@@ -292,9 +294,10 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     cfg = runtime.cfg
     shape = read_moe_shape(scheduler.model_config.hf_config)
     model = shape.describe() if shape else "no routed experts"
+    runtime.verify_widths = startup_checks.resolved_verify_widths(scheduler.server_args) if cfg.verify else ()
     logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s%s", runtime.rank, startup_state(cfg.k0, shape), cfg.describe(), model,
                 runtime.routers.describe(), speculative_note(cfg, scheduler.server_args.speculative_algorithm,
-                                                             scheduler.server_args.speculative_num_draft_tokens))
+                                                             runtime.verify_widths))
     attach_rank_check(runtime)
     metrics.attach(runtime, scheduler)
 
@@ -316,19 +319,18 @@ def attach_rank_check(runtime: OEARuntime) -> None:
         runtime.rank_check = RankCheck(runtime.cfg.check_ranks, group.cpu_group, group.world_size)
 
 
-def speculative_note(cfg: OEAConfig, algorithm: Any, draft_tokens: Optional[int] = None) -> str:
-    """The startup line's word on speculative decoding ('' without it). draft_tokens: SGLang's
-    --speculative-num-draft-tokens (the verify rows per request), when known."""
+def speculative_note(cfg: OEAConfig, algorithm: Any, widths: Tuple[int, ...] = ()) -> str:
+    """The startup line's word on speculative decoding ('' without it). widths: the draft tokens
+    per request of the verify passes the server runs (startup_checks.verify_widths), when known."""
     if not algorithm:
         return ""
     if not cfg.verify:
         return f"; speculative {algorithm}: verify passes not routed (--oea-verify off), so OEA applies nowhere"
     note = f"; speculative {algorithm}: verify passes routed (rows = requests x draft tokens)"
-    if draft_tokens and cfg.max_batch:
-        note += f", at most {cfg.max_batch // draft_tokens} requests of {draft_tokens} draft tokens under the cap"
-        if cfg.max_batch < cfg.min_batch * draft_tokens:
-            note += (f"; so OEA applies in no verify pass: --oea-max-batch {cfg.max_batch} rows is below "
-                     f"--oea-min-batch {cfg.min_batch} requests x {draft_tokens} draft tokens")
+    if widths and cfg.max_batch:
+        admitted = ", ".join(f"{cfg.max_batch // w} requests of {w} draft tokens" for w in widths)
+        note += f", at most {admitted} under the cap"
+        note += "".join(f"; {warning}" for warning in [verify_cap_problem(cfg.min_batch, cfg.max_batch, widths)[1]] if warning)
     return note
 
 
@@ -366,9 +368,14 @@ def _oea_step(inner: Any, forward_batch: Any):
         return
     # SGLang nests forward contexts within one forward pass; the outermost one is the step.
     outermost = runtime.depth == 0
+    # A context opened inside a graph replay describes the graph's padded capture-time batch: with
+    # --debug-cuda-graph the breakable backend re-runs the whole forward eagerly at every replay,
+    # on that batch. It must route as the graph does (real rows from the device scalar, gate on
+    # the device), never take its padded rows for real ones: it is a graph pass whatever SGLang's
+    # capture-mode flag says.
+    graph = capture_mode_active() or (_replaying and not outermost)
     previous = runtime.begin_step(forward_mode_of(forward_batch), token_rows(forward_batch),
-                                  graph=capture_mode_active(), outermost=outermost,
-                                  requests=int(forward_batch.batch_size))
+                                  graph=graph, outermost=outermost, requests=int(forward_batch.batch_size))
     runtime.depth += 1
     try:
         with inner:
@@ -413,9 +420,14 @@ def graph_execute_hook(original: Callable, runner: Any, forward_batch: Any, *arg
     """Before each decode- or verify-graph replay, tell the captured routing how many token rows
     are real (padded requests' rows come after them); after it, note which bucket (in requests) was
     replayed: its capture decides whether this step applied OEA."""
+    global _replaying
     if _runtime is not None:
         _runtime.set_replay_rows(token_rows(forward_batch))
-    output = original(runner, forward_batch, *args, **kwargs)
+    previous, _replaying = _replaying, True
+    try:
+        output = original(runner, forward_batch, *args, **kwargs)
+    finally:
+        _replaying = previous
     if _runtime is not None:
         _runtime.note_replay(int(runner.bs))
     return output

@@ -8,14 +8,20 @@
                   what is allowed
       (one bool per data-parallel rank; OEA refuses DP > 1, so one)
     GET /server_info -> internal_states[i]["oea"] = {"k0", "min_batch", "max_batch" (in force),
-                        "pending" (requested, not yet reached a pass), "envelope" (the startup gate)}
+                        "pending" (requested, not yet reached a pass), "envelope" (the startup gate),
+                        "verify" (--oea-verify), "kernel" (the routing path and its self-check)}
 
 The rules are the flags' own (sglang_oea.config), checked on the settings the whole request
 would leave in force (the settings requested last, with the request's keys merged in):
-    oea_k0         an integer >= 0 (0 = off: the router's own experts; >= top-k = a no-op)
-    oea_min_batch  an integer >= 1, and >= the startup --oea-min-batch
-    oea_max_batch  an integer, 0 (no cap) or >= oea_min_batch; when the startup --oea-max-batch is
-                   > 0, at most that (0 is then outside the envelope too)
+    oea_k0         an integer from 0 to 64 (0 = off: the router's own experts; >= top-k = a no-op)
+    oea_min_batch  an integer from 1 to 65536, and >= the startup --oea-min-batch
+    oea_max_batch  an integer from 0 to 65536, 0 (no cap) or >= oea_min_batch; when the startup
+                   --oea-max-batch is > 0, at most that (0 is then outside the envelope too)
+The upper bounds keep every value, and min_batch x draft tokens, inside the int32 device control
+block and gate (sglang_oea.config.MAX_BATCH). Under speculative decoding, a cap below min_batch x
+the draft tokens of every verify width the server runs (no verify pass could open the gate) is
+refused, as at startup; one that closes only some adaptive widths is accepted with a warning on
+every rank (passes.verify_cap_problem).
 Why the envelope: CUDA graphs of the batch sizes outside the startup gate were captured without
 OEA routing, so the gate cannot open there without a restart (with wider flags).
 Not a bool, not a float (3.0 included). SGLang's HTTP parsing (pydantic, lax) turns JSON true/false
@@ -33,16 +39,23 @@ SGLang side (`SchedulerInternalStateController`, hooked by sglang_oea.hooks in s
 """
 
 import json
+import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence
 
-from sglang_oea.config import LiveSettings, OEAConfig, check_batch_window, require_int
+from sglang_oea.config import MAX_BATCH, MAX_K0, LiveSettings, OEAConfig, check_batch_window, require_int
+from sglang_oea.passes import verify_cap_problem
 
-# POST key -> LiveSettings field (and /server_info key); the smallest value each takes.
+logger = logging.getLogger("sglang_oea")
+
+# POST key -> LiveSettings field (and /server_info key); the range of values each takes (the
+# flags' own: sglang_oea.config).
 LIVE_KEYS = {"oea_k0": "k0", "oea_min_batch": "min_batch", "oea_max_batch": "max_batch"}
 MINIMUM = {"oea_k0": 0, "oea_min_batch": 1, "oea_max_batch": 0}
+MAXIMUM = {"oea_k0": MAX_K0, "oea_min_batch": MAX_BATCH, "oea_max_batch": MAX_BATCH}
 MEANING = {"oea_k0": " (0 = OEA off)", "oea_min_batch": "", "oea_max_batch": " (0 = no cap)"}
+LIVE_NAMES = ("oea_min_batch", "oea_max_batch")
 NOT_INSTALLED = ("OEA is not installed on this server (it was started without --oea-k0); start the server "
                  "with --oea-k0 0 to arm OEA without turning it on")
 WHY_ENVELOPE = ("CUDA graphs were captured without OEA routing for batch sizes outside the startup window; "
@@ -57,7 +70,7 @@ def check_values(requested: Mapping[str, Any]) -> None:
     """Each OEA key's value alone: an integer in its range. Raises SettingRefused."""
     for key, value in requested.items():
         try:
-            require_int(key, value, MINIMUM[key])
+            require_int(key, value, MINIMUM[key], MAXIMUM[key])
         except ValueError as exc:
             raise SettingRefused(f"{exc}{MEANING[key]}") from None
 
@@ -72,13 +85,16 @@ def check_envelope(new: LiveSettings, startup: OEAConfig) -> None:
                              f"--oea-max-batch (0, no cap, is outside it), got {new.max_batch} ({WHY_ENVELOPE})")
 
 
-def check_request(current: LiveSettings, requested: Mapping[str, Any], startup: OEAConfig) -> LiveSettings:
+def check_request(current: LiveSettings, requested: Mapping[str, Any], startup: OEAConfig,
+                  widths: Sequence[int] = ()) -> LiveSettings:
     """The settings a request's OEA keys leave in force, merged into `current`.
 
     Args:
         current: the settings requested last (pending, else in force).
         requested: {POST key: value}, OEA keys only.
         startup: the server's startup config (its gate is the envelope).
+        widths: draft tokens per request of the verify passes the server runs (() without them):
+            a gate no verify pass can open is refused, as at startup (passes.verify_cap_problem).
     Raises SettingRefused: the message starts with the request and names what is allowed.
     """
     try:
@@ -90,9 +106,18 @@ def check_request(current: LiveSettings, requested: Mapping[str, Any], startup: 
             raise SettingRefused(f"{exc} (in force after this request: oea_min_batch {new.min_batch}, "
                                  f"oea_max_batch {new.max_batch})") from None
         check_envelope(new, startup)
+        refusal, _ = verify_cap_problem(new.min_batch, new.max_batch, widths, LIVE_NAMES)
+        if refusal:
+            raise SettingRefused(refusal)
     except SettingRefused as exc:
         raise SettingRefused(f"sglang-oea: refused {json.dumps(dict(requested))}: {exc}; nothing changed") from None
     return new
+
+
+def cap_warning(new: LiveSettings, widths: Sequence[int]) -> Optional[str]:
+    """The warning an accepted request gets when its cap closes the gate for some verify widths."""
+    warning = verify_cap_problem(new.min_batch, new.max_batch, widths, LIVE_NAMES)[1]
+    return None if warning is None else f"sglang-oea: accepted, but {warning}"
 
 
 def oea_part(request: Mapping[str, Any]) -> Dict[str, Any]:
@@ -102,12 +127,25 @@ def oea_part(request: Mapping[str, Any]) -> Dict[str, Any]:
 
 def state_of(runtime: Any) -> Dict[str, Any]:
     """internal_states[i]["oea"] of /server_info: the settings in force, the pending change if
-    any, and the startup envelope."""
+    any, the startup envelope, --oea-verify, and the routing kernel (kernel_state)."""
     state: Dict[str, Any] = asdict(runtime.settings)
     if runtime.pending is not None:
         state["pending"] = asdict(runtime.pending)
     state["envelope"] = {"min_batch": runtime.cfg.min_batch, "max_batch": runtime.cfg.max_batch}
+    state["verify"] = runtime.cfg.verify
+    state["kernel"] = kernel_state(runtime)
     return state
+
+
+def kernel_state(runtime: Any) -> Dict[str, Any]:
+    """How this server routes: --oea-kernel, and per (router, self-check result) the routing shapes
+    that use it. Every tensor-parallel rank makes the same choice (a MIN over the ranks' self-check
+    verdicts), so rank 0's answer stands for all of them: "passed" means passed on every rank,
+    "failed_other_rank" that another rank failed (its log has the reason). Before the first
+    decode pass: one path, router = the flag, self_check "pending"."""
+    paths = [{"router": router, "self_check": result, "shapes": shapes}
+             for (router, result), shapes in runtime.routers.status().items()]
+    return {"flag": runtime.cfg.kernel, "paths": paths, "tp_size": runtime.world_size}
 
 
 # ----------------------------------------------------------------------------- SGLang's handlers
@@ -172,7 +210,8 @@ def request_of(runtime: Any, key: str, value: Any) -> _Request:
     request = _request if _request is not None and key in _request.keys else _Request({key: value})
     if request.new is None:
         try:
-            request.new = check_request(runtime.pending or runtime.settings, request.keys, runtime.cfg)
+            request.new = check_request(runtime.pending or runtime.settings, request.keys, runtime.cfg,
+                                        runtime.verify_widths)
         except SettingRefused as exc:
             raise rejected(str(exc)) from None
     return request
@@ -189,6 +228,9 @@ def apply(runtime: Any, key: str, value: Any) -> None:
     if not request.applied:
         runtime.request_settings(request.new)
         request.applied = True
+        warning = cap_warning(request.new, runtime.verify_widths)
+        if warning:
+            logger.warning(warning)  # on every rank: each handles the request
 
 
 # ----------------------------------------------------------------------------- sglang.Engine

@@ -16,7 +16,10 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
 Expert counts are averaged over the steps (decode or verify) where OEA applied between two counter
 snapshots (sglang_oea.counters): each report covers the routed passes up to the second-newest one.
 The step counters' k0 label is the k0 each step ran with (the settings can change while the server
-runs); the settings gauges are set at each report.
+runs). The counters reach /metrics only at decode-log steps, so steps that ran just before a change
+can appear after it: they are told apart by that label, never by when they appear. The settings
+gauges are set when a change is accepted (every pass from the next one on routes with it) and at
+each report.
 """
 
 import logging
@@ -114,6 +117,13 @@ def attach(runtime: OEARuntime, scheduler: Any) -> None:
         return
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
     _export = PrometheusExport(str(name), runtime.rank, runtime.settings, runtime.speculative)
+    follow_settings(runtime, _export)
+
+
+def follow_settings(runtime: OEARuntime, export: PrometheusExport) -> None:
+    """The settings gauges move when a live change is accepted on this rank, not only at the next
+    decode-log step: an operator who changes k0 sees it at once, on an idle server too."""
+    runtime.settings_listeners.append(export.publish_settings)
 
 
 def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:

@@ -20,7 +20,7 @@ bucket whose every batch is outside the startup envelope is captured without rou
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple
 
-from sglang_oea.config import LiveSettings, OEAConfig
+from sglang_oea.config import MAX_ROWS_PER_REQUEST, LiveSettings, OEAConfig
 
 DECODE, VERIFY, DRAFT, OTHER = "decode", "verify", "draft", "other"
 ROUTED_MODES = (DECODE, VERIFY)
@@ -136,3 +136,37 @@ def row_bounds(settings: LiveSettings, step: StepInfo) -> Tuple[int, int]:
     scaled floor opens exactly when the request floor does. The cap already counts rows. The fused
     kernel computes the same bounds on the device from the control block and rows_per_request."""
     return settings.min_batch * step.rows_per_request, settings.max_batch
+
+
+def verify_cap_problem(min_batch: int, max_batch: int, widths: Sequence[int], names=("--oea-min-batch", "--oea-max-batch")
+                       ) -> Tuple[Optional[str], Optional[str]]:
+    """(refusal, warning) for a batch gate under speculative decoding; (None, None) when every
+    verify pass the server can run may open it.
+
+    widths: the draft tokens per request of every verify pass the server can run (one width, or
+        every candidate of --speculative-adaptive); empty without speculative decoding or with
+        --oea-verify off.
+    A verify pass of w draft tokens opens the gate only if min_batch x w <= max_batch (the floor
+    counts requests, the cap rows). A cap that closes it for every width leaves OEA on in no pass at
+    all, which is never what a cap is for (k0 0 or --oea-verify off say "off" plainly): refused, at
+    startup and live alike. A cap that closes it only for the wider of several adaptive widths
+    still routes the narrower ones: a warning.
+    """
+    min_name, max_name = names
+    too_wide = [w for w in widths if w > MAX_ROWS_PER_REQUEST]
+    if too_wide:
+        return (f"OEA supports at most {MAX_ROWS_PER_REQUEST} draft tokens per request in a verify pass, "
+                f"this server runs {max(too_wide)}"), None
+    if not max_batch or not widths:
+        return None, None
+    closed = sorted(w for w in set(widths) if max_batch < min_batch * w)
+    if not closed:
+        return None, None
+    narrowest = min(widths)
+    if len(closed) == len(set(widths)):
+        return (f"{max_name} {max_batch} rows is below {min_name} {min_batch} requests x {narrowest} draft tokens, "
+                f"so OEA would apply in no verify pass; give {max_name} at least {min_batch * narrowest} (or 0, no "
+                f"cap), or turn OEA off with k0 0"), None
+    return None, (f"{max_name} {max_batch} rows is below {min_name} {min_batch} requests x "
+                  f"{', '.join(map(str, closed))} draft tokens: verify passes of that width never route with OEA "
+                  f"(narrower ones still do)")

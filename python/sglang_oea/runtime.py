@@ -30,7 +30,7 @@ OEARuntime is the façade the hooks use. Behind it:
 
 import logging
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -85,9 +85,16 @@ class OEARuntime:
         self.checksums = bool(cfg.check_ranks) and world_size > 1
         self.rank_check: Optional[RankCheck] = None  # set once the process groups exist
         self.speculative = speculative
+        # Draft tokens per request of every verify pass this server runs (set at scheduler start;
+        # () without speculative decoding or with --oea-verify off): the live cap is checked
+        # against them (passes.verify_cap_problem).
+        self.verify_widths: Tuple[int, ...] = ()
         self._settings = cfg.live()  # those of the last outermost pass begun
         self._pending: Optional[LiveSettings] = None  # requested, not yet applied
         self._pending_lock = threading.Lock()
+        # Called with each accepted change (request_settings), on the scheduler's thread: the
+        # settings gauges follow at once, on an idle server too (sglang_oea.metrics).
+        self.settings_listeners: List[Callable[[LiveSettings], None]] = []
         self.step = StepInfo()
         self.depth = 0  # nesting of SGLang forward contexts
         self.graph_buckets: Tuple[int, ...] = ()  # the capturing runner's buckets (requests), set around capture
@@ -103,7 +110,7 @@ class OEARuntime:
     routed_steps = _read_through("accounts", "routed_steps", "Decode and verify steps counted (applied or skipped).")
     applied = _read_through("accounts", "applied", "pass mode -> steps whose ids OEA rewrote.")
     skipped = _read_through("accounts", "skipped", "(pass mode, reason) -> steps without OEA.")
-    captured = _read_through("accounts", "captured", "(mode, bucket) -> outcome of its capture.")
+    captured = _read_through("accounts", "captured", "(mode, bucket, rows per request) -> outcome of its capture.")
     applied_steps = _read_through("accounts", "applied_steps", "Steps whose ids OEA rewrote, over all pass modes.")
     skipped_steps = _read_through("accounts", "skipped_steps", "reason -> skipped steps, over all pass modes.")
     applied_by_k0 = _read_through("accounts", "applied_by_k0", "(pass mode, k0) -> steps whose ids OEA rewrote.")
@@ -134,9 +141,11 @@ class OEARuntime:
     def request_settings(self, new: LiveSettings) -> None:
         """Ask for `new` (already validated) from the next outermost pass on; see the module
         docstring. Host only: nothing is written to the device here. Of several requests before
-        that pass, the last wins."""
+        that pass, the last wins. The settings listeners hear of it at once."""
         with self._pending_lock:
             self._pending = new
+        for listener in self.settings_listeners:
+            listener(new)
 
     def apply_pending(self) -> None:
         """At an outermost begin_step outside graph capture: make the requested settings those in

@@ -13,9 +13,14 @@ only later:
 Every refusal raises ValueError with one line naming the setting and what fixes it.
 """
 
-from typing import Any, List, NamedTuple, Optional
+import logging
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 from sglang_oea import flags
+from sglang_oea.config import OEAConfig
+from sglang_oea.passes import verify_cap_problem
+
+logger = logging.getLogger("sglang_oea")
 
 # Why a top-k output format carries no topk_ids (TopKOutputFormat names).
 HIDDEN_FORMATS = {
@@ -34,12 +39,44 @@ class HiddenTopK(NamedTuple):
     output_format: str  # TopKOutputFormat name
 
 
-def check_resolved_arguments(server_args: Any) -> None:
-    """Refuse parallel layouts in the arguments as SGLang resolved them. Raises ValueError."""
+def check_resolved_arguments(server_args: Any, cfg: Optional[OEAConfig] = None) -> None:
+    """Refuse parallel layouts in the arguments as SGLang resolved them, and a batch cap that no
+    verify pass can pass (passes.verify_cap_problem). Raises ValueError."""
     from sglang.srt.arg_groups.overrides import resolved_view
 
     view = resolved_view(server_args)
     flags.check_resolved_parallelism(lambda name, default: getattr(view, name, default))
+    if cfg is not None and cfg.verify:
+        refusal, warning = verify_cap_problem(cfg.min_batch, cfg.max_batch, verify_widths(view))
+        if refusal:
+            raise ValueError(refusal)
+        if warning:
+            logger.warning("sglang-oea: %s", warning)
+
+
+def verify_widths(view: Any) -> Tuple[int, ...]:
+    """The draft tokens per request of every verify pass a server can run, from its resolved
+    arguments (SGLang's ResolvedView, or a record whose speculative fields are resolved): () without
+    speculative decoding; every candidate's steps + 1 under --speculative-adaptive (SGLang builds a
+    verify runner per candidate: speculative/adaptive_spec_params.py, eagle_worker_v2.py); else
+    --speculative-num-draft-tokens."""
+    if not getattr(view, "speculative_algorithm", None):
+        return ()
+    if getattr(view, "speculative_adaptive", False):
+        from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
+
+        steps = resolve_candidate_steps_from_config(cfg_path=getattr(view, "speculative_adaptive_config", None))
+        return tuple(sorted({int(s) + 1 for s in steps}))
+    drafts = getattr(view, "speculative_num_draft_tokens", None)
+    return (int(drafts),) if drafts else ()
+
+
+def resolved_verify_widths(server_args: Any) -> Tuple[int, ...]:
+    """verify_widths of a server record as SGLang resolved it (in a scheduler process, where the
+    record's own speculative fields may still be unset: SGLang declares them during resolution)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    return verify_widths(resolved_view(server_args))
 
 
 def hidden_topk_layers(model: Any) -> List[HiddenTopK]:

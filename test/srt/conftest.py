@@ -10,7 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, os.path.join(ROOT, "python")]
 
-from sglang_oea.cpu_serve import STUB_DIR, cpu_environment  # noqa: E402
+from sglang_oea.cpu.serve import STUB_DIR, cpu_environment  # noqa: E402
 
 os.environ.update(cpu_environment())
 if STUB_DIR not in sys.path:

@@ -15,7 +15,7 @@ change between assertions through /set_internal_state:
   speculative decoding: transformers' greedy output at k0 >= top-k and off, k0=1 changes it, then
   OEA applied under load with both ranks' routing compared every step.
 
-The hook that makes MLA run on the `torch_native` backend (sglang_oea/cpu_mla.py) is unit-tested
+The hook that makes MLA run on the `torch_native` backend (sglang_oea/cpu/mla.py) is unit-tested
 here too; the servers and transformers' tokens are what show it right.
 """
 
@@ -66,7 +66,7 @@ def fake_mla_layer(backend):
 def test_torch_native_runs_mla_absorbed(chosen):
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
-    from sglang_oea.cpu_mla import absorbed_on_torch_native
+    from sglang_oea.cpu.mla import absorbed_on_torch_native
 
     original = lambda attn, batch: AttnForwardMethod[chosen]  # noqa: E731
     assert absorbed_on_torch_native(original, fake_mla_layer("torch_native"), None) == AttnForwardMethod.MLA

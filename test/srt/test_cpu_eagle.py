@@ -1,6 +1,6 @@
 """EAGLE with an MTP (nextn) draft on SGLang's CPU engine, without a server: the stand-in
-sgl_kernel's EAGLE bodies (cpu_stub/sgl_kernel/eagle_bodies.py) against SGLang's own Triton
-kernels, and the draft's decode attention (sglang_oea.cpu_eagle) against a brute-force one. The
+sgl_kernel's EAGLE bodies (cpu/stub/sgl_kernel/eagle_bodies.py) against SGLang's own Triton
+kernels, and the draft's decode attention (sglang_oea.cpu.eagle) against a brute-force one. The
 server test (EAGLE with the trained DeepSeek-V3 checkpoint's MTP layer as the draft, OEA in the
 target's verify passes only) is in test_cpu_deepseek.py.
 
@@ -142,7 +142,7 @@ class KVPool:
 
 
 def test_draft_decode_table():
-    from sglang_oea.cpu_eagle import draft_decode_table
+    from sglang_oea.cpu.eagle import draft_decode_table
 
     req_to_token = torch.arange(3 * 20).view(3, 20).int()
     table, prefix = draft_decode_table(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 5]), topk=2, num_steps=2)
@@ -156,7 +156,7 @@ def test_draft_decode_table():
 def test_draft_step_attention_matches_brute_force(step):
     """Step `step` of a 2-branch, 4-step draft: each row attends its request's prefix and its own
     branch's first step + 1 slots, and writes its K/V to the slot it is given."""
-    from sglang_oea.cpu_eagle import TorchNativeDraftSteps
+    from sglang_oea.cpu.eagle import TorchNativeDraftSteps
 
     gen = torch.Generator().manual_seed(step)
     batch, topk, steps, heads, kv_heads, dim, slots = 2, 2, 4, 4, 2, 8, 64

@@ -14,8 +14,8 @@ import pytest
 
 import sglang.srt.mem_cache.kv_cache_configurator as kvc
 from sglang.srt.server_args import prepare_server_args
-from sglang_oea import cpu_serve
-from sglang_oea.cpu_serve import CPU_DEFAULTS, serve_command, with_cpu_defaults
+from sglang_oea.cpu import serve as cpu_serve
+from sglang_oea.cpu.serve import CPU_DEFAULTS, serve_command, with_cpu_defaults
 
 DEFAULTS = dict(CPU_DEFAULTS)
 FRACTION, TOKENS = float(DEFAULTS["--mem-fraction-static"]), int(DEFAULTS["--max-total-tokens"])

@@ -1,4 +1,4 @@
-"""The CPU stand-in's plain-torch sgl_kernel bodies (cpu_stub/sgl_kernel/cpu_bodies.py) against
+"""The CPU stand-in's plain-torch sgl_kernel bodies (cpu/stub/sgl_kernel/cpu_bodies.py) against
 SGLang's own Triton kernels for the same ops, run on CPU tensors by Triton's interpreter.
 
 SGLang's CPU engine calls these ops under speculative decoding (NGRAM: KV-slot moves, draft-token

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from sglang_oea import flags, hooks
-from sglang_oea.config import DEFAULT_MIN_BATCH, LiveSettings, OEAConfig, build_config
-from sglang_oea.cpu_serve import cpu_environment
-from sglang_oea.tiny_model import main as write_tiny_model
+from sglang_oea.config import DEFAULT_MIN_BATCH, MAX_BATCH, MAX_ROWS_PER_REQUEST, LiveSettings, OEAConfig, build_config
+from sglang_oea.cpu.serve import cpu_environment
+from sglang_oea.cpu.tiny_model import main as write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -144,13 +144,29 @@ def test_bad_choices_are_refused_by_the_config():
     (["--oea-max-batch", "-1"], "--oea-max-batch"),
     (["--oea-dump-steps", "0"], "--oea-dump-steps"),
     (["--oea-check-ranks", "-1"], "--oea-check-ranks"),
+    (["--oea-k0", "65"], "--oea-k0"),
+    (["--oea-k0", str(2 ** 31)], "--oea-k0"),
+    (["--oea-min-batch", "65537"], "--oea-min-batch"),
+    (["--oea-max-batch", str(2 ** 31)], "--oea-max-batch"),
 ])
 def test_bad_values_are_refused_by_the_parser(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert flag in err and "must be an integer >=" in err
+    assert flag in err and "must be an integer " in err
+
+
+def test_every_setting_has_an_upper_bound_and_the_largest_values_parse():
+    """The settings live in an int32 device control block: each has a stated upper bound."""
+    cfg = parse(["--oea-k0", "64", "--oea-min-batch", "65536", "--oea-max-batch", "65536"])
+    assert (cfg.k0, cfg.min_batch, cfg.max_batch) == (64, 65536, 65536)
+    for field, value, message in (("k0", 65, "--oea-k0 must be an integer from 0 to 64, got 65"),
+                                  ("min_batch", 65537, "--oea-min-batch must be an integer from 1 to 65536, got 65537"),
+                                  ("max_batch", 2 ** 31, "--oea-max-batch must be an integer from 0 to 65536, got 2147483648")):
+        with pytest.raises(ValueError, match=message):
+            OEAConfig(**{"k0": 2, field: value})
+    assert MAX_BATCH * MAX_ROWS_PER_REQUEST < 2 ** 31, "min_batch x draft tokens fits the device gate's int32"
 
 
 def test_max_batch_below_min_batch_is_refused():
@@ -159,9 +175,9 @@ def test_max_batch_below_min_batch_is_refused():
 
 
 def test_config_object_refuses_non_integers():
-    with pytest.raises(ValueError, match="--oea-k0 must be an integer >= 0, got 2.0"):
+    with pytest.raises(ValueError, match="--oea-k0 must be an integer from 0 to 64, got 2.0"):
         OEAConfig(k0=2.0)
-    with pytest.raises(ValueError, match="--oea-k0 must be an integer >= 0, got True"):
+    with pytest.raises(ValueError, match="--oea-k0 must be an integer from 0 to 64, got True"):
         OEAConfig(k0=True)
     with pytest.raises(ValueError, match="--oea-min-batch"):
         OEAConfig(k0=2, min_batch=True)
@@ -173,7 +189,7 @@ def test_deprecated_environment_variable(caplog):
     assert cfg.k0 == 4
     assert "SGLANG_OEA_K0 is deprecated" in caplog.text and "--oea-k0 4" in caplog.text
     assert build_config({"oea_k0": 6}, {"SGLANG_OEA_K0": "4"}).k0 == 6, "the flag wins"
-    with pytest.raises(ValueError, match="SGLANG_OEA_K0 must be an integer >= 1, got 'x'"):
+    with pytest.raises(ValueError, match="SGLANG_OEA_K0 must be an integer from 1 to 64, got 'x'"):
         build_config({}, {"SGLANG_OEA_K0": "x"})
 
 
@@ -340,6 +356,47 @@ def test_resolved_expert_parallel_is_refused(moe_model, oea_hooks):
         hooks.check_resolved_arguments(server_args)
 
 
+def test_a_cap_no_verify_pass_can_pass_is_refused_after_resolution(moe_model, oea_hooks):
+    """--oea-max-batch counts rows: 8 rows is below 4 requests x 4 draft tokens, so OEA would
+    apply in no verify pass. SGLang resolves --speculative-num-draft-tokens (EAGLE: 4 by default),
+    so the check runs on the resolved arguments, from the command line in one line."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", moe_model, "--device", "cpu", "--speculative-algorithm", "NGRAM",
+            "--speculative-num-draft-tokens", "4", "--oea-k0", "3", "--oea-min-batch", "4"]
+    prepare_server_args([*argv, "--oea-max-batch", "16"]).resolve_once()  # 4 requests of 4 tokens: passes
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args([*argv, "--oea-max-batch", "8"]).resolve_once()
+    assert str(exc.value) == ("sglang-oea: error: --oea-max-batch 8 rows is below --oea-min-batch 4 requests x 4 draft "
+                              "tokens, so OEA would apply in no verify pass; give --oea-max-batch at least 16 (or 0, "
+                              "no cap), or turn OEA off with k0 0")
+    prepare_server_args([*argv, "--oea-max-batch", "8", "--oea-verify", "off"]).resolve_once()  # verify not routed
+
+
+@pytest.mark.parametrize("graph_flags", [["--cuda-graph-backend-decode", "breakable"],
+                                         ["--cuda-graph-backend-decode", "breakable", "--debug-cuda-graph"],
+                                         ["--speculative-algorithm", "EAGLE", "--speculative-adaptive"]])
+def test_graph_backends_and_adaptive_speculation_are_accepted(moe_model, oea_hooks, graph_flags):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", moe_model, "--device", "cpu", "--oea-k0", "3", *graph_flags])
+    server_args.resolve_once()
+    assert server_args._oea["k0"] == 3
+
+
+def test_verify_widths_of_adaptive_speculative_decoding():
+    """One verify runner per adaptive candidate (SGLang's default candidate steps 0, 1, 3, 5, 7)."""
+    from types import SimpleNamespace
+
+    from sglang_oea.startup_checks import verify_widths
+
+    assert verify_widths(SimpleNamespace(speculative_algorithm=None)) == ()
+    assert verify_widths(SimpleNamespace(speculative_algorithm="EAGLE", speculative_adaptive=False,
+                                         speculative_num_draft_tokens=4)) == (4,)
+    assert verify_widths(SimpleNamespace(speculative_algorithm="EAGLE", speculative_adaptive=True,
+                                         speculative_adaptive_config=None)) == (1, 2, 4, 6, 8)
+
+
 def test_engine_refuses_resolved_all_to_all_dispatch(moe_model, oea_hooks, monkeypatch):
     import sglang
 
@@ -408,7 +465,7 @@ def test_launch_server_help_lists_the_oea_group():
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--oea-k0", "-1"], "argument --oea-k0: --oea-k0 must be an integer >= 0, got -1"),
+    (["--oea-k0", "-1"], "argument --oea-k0: --oea-k0 must be an integer from 0 to 64, got -1"),
     (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
     (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
     (["--oea-k0", "3", "--oea-kernel", "triton"], "sglang-oea: error: --oea-kernel triton needs a CUDA device"),
@@ -443,7 +500,7 @@ def test_engine_keyword_refusal(moe_model):
     hooks.install()
     import sglang
 
-    with pytest.raises(ValueError, match="--oea-min-batch must be an integer >= 1"):
+    with pytest.raises(ValueError, match="--oea-min-batch must be an integer from 1 to 65536"):
         sglang.Engine(model_path=moe_model, oea_k0=2, oea_min_batch=0)
     with pytest.raises(ValueError, match="unknown OEA keyword.*oea_stats; allowed: oea_k0"):
         sglang.Engine(model_path=moe_model, oea_k0=2, oea_stats=False)
@@ -466,7 +523,7 @@ def test_the_first_engine_of_a_process_takes_the_oea_keywords(moe_model):
     probe = (f"import sglang\ntry:\n    sglang.Engine(model_path={moe_model!r}, oea_k0=0, oea_min_batch=0)\n"
              "except ValueError as exc:\n    print(exc)\n")
     proc = subprocess.run([sys.executable, "-c", probe], env=cpu_environment(), capture_output=True, text=True, timeout=240)
-    assert proc.stdout.strip().splitlines()[-1] == "--oea-min-batch must be an integer >= 1, got 0", proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "--oea-min-batch must be an integer from 1 to 65536, got 0", proc.stderr[-2000:]
 
 
 class PluginsLoaded(Exception):

@@ -7,6 +7,11 @@ forced on (`is_capturing`) for the captured forward, and a replay re-runs the ca
 with the device row scalar changed, as the graph would. Under speculative decoding the same runner
 captures the target's verify graphs: a bucket of requests with every draft token a row.
 
+SGLang 0.5.23's `--cuda-graph-backend-decode breakable` drives this same runner, capture and
+replay: a graph break re-runs only the function it wraps at replay, and the decode forward of the
+MoE models OEA supports has none, so the simulation stands for both backends. `--debug-cuda-graph`
+(breakable's eager replay of the whole forward) is covered in test_verify_routing.py.
+
 Every test runs in this process with the torch path, and again in a TRITON_INTERPRET=1 child with
 the fused kernel behind the runtime (`test_graph_path_through_the_fused_kernel_in_the_interpreter`).
 The kernel-only tests check that nothing is compiled or allocated inside capture.
@@ -203,11 +208,32 @@ def test_buckets_outside_the_gate_are_captured_without_routing(capture, mode, pe
 
 def test_verify_replays_are_counted_as_verify_steps(captured_verify):
     rt = captured_verify[0]
-    assert rt.captured == {(VERIFY, VERIFY_BUCKET): None}, "the capture pass rewrote ids"
+    assert rt.captured == {(VERIFY, VERIFY_BUCKET, DRAFTS): None}, "the capture pass rewrote ids"
     for requests in (3, 1, 4, 2):
         verify_replay(captured_verify, requests)
     assert rt.applied == {VERIFY: 2} and rt.steps_of(DECODE) == 0
     assert rt.skipped == {(VERIFY, "below_min_batch"): 1, (VERIFY, "above_max_batch"): 1}
+
+
+def test_verify_runners_of_two_draft_widths_keep_their_own_capture_outcomes(capture):
+    """Adaptive speculative decoding: one verify runner per draft width, each capturing the same
+    buckets of requests. Under a cap of 12 rows the 2-token runner routes bucket 4 (8 rows) and the
+    8-token runner, captured after it, leaves its bucket 4 (32 rows) unrouted. Replays of each are
+    counted by what their own capture did: the last capture must not stand for both."""
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2, max_batch=12), speculative=True)
+    rt.graph_buckets = (1, 2, 4)
+    narrow = {layer: router_inputs(4 * 2, seed=30 + layer) for layer in LAYERS}
+    wide = {layer: router_inputs(4 * 8, seed=40 + layer) for layer in LAYERS}
+    assert all(o is not None for o in capture_bucket(rt, capture, narrow, 4, CONFIG, VERIFY, per_request=2).values())
+    assert all(o is None for o in capture_bucket(rt, capture, wide, 4, CONFIG, VERIFY, per_request=8).values())
+    # The wide runner's bucket holds no routing (its replays never reach the kernel's gate).
+    assert rt.captured == {(VERIFY, 4, 2): None, (VERIFY, 4, 8): "no_topk_ids"}
+    out = replay(rt, capture, narrow, 4, 3, CONFIG, mode=VERIFY, per_request=2)  # 6 rows: gate open
+    assert all(o is not None for o in out.values())
+    replay(rt, capture, wide, 4, 1, CONFIG, mode=VERIFY, per_request=8)  # 8 rows, but below min_batch
+    replay(rt, capture, wide, 4, 2, CONFIG, mode=VERIFY, per_request=8)  # 16 rows: above the cap
+    assert rt.applied == {VERIFY: 1}
+    assert rt.skipped == {(VERIFY, "below_min_batch"): 1, (VERIFY, "above_max_batch"): 1}, "never no_topk_ids"
 
 
 def test_verify_stats_count_token_rows(captured_verify):

@@ -23,6 +23,7 @@ import pytest
 from sglang_oea import hooks, live_settings
 from sglang_oea.config import LiveSettings, OEAConfig
 from sglang_oea.live_settings import SettingRefused, check_request
+from sglang_oea.routers import RouterChoice
 from test_server_e2e import (FP32, PROMPTS, TOP_K, TRAINED, complete, greedy_ids, heldout_prompts, oea_value, scrape, serve,
                              transformers_greedy)
 
@@ -35,6 +36,7 @@ class FakeRuntime:
 
     def __init__(self, cfg=STARTUP):
         self.cfg, self.settings, self.pending, self.requested = cfg, cfg.live(), None, []
+        self.routers, self.world_size, self.verify_widths = RouterChoice(cfg.kernel, cfg.k0), 1, ()
 
     def request_settings(self, new):
         self.requested.append(new)
@@ -48,7 +50,7 @@ def test_a_request_is_merged_into_the_current_settings():
     current = LiveSettings(0, 2, 32)
     assert check_request(current, {"oea_k0": 4}, STARTUP) == LiveSettings(4, 2, 32)
     assert check_request(current, {"oea_k0": 0, "oea_min_batch": 8, "oea_max_batch": 16}, STARTUP) == LiveSettings(0, 8, 16)
-    assert check_request(current, {"oea_k0": 99}, STARTUP).k0 == 99, "k0 >= top-k is a no-op, as with the flag"
+    assert check_request(current, {"oea_k0": 64}, STARTUP).k0 == 64, "k0 >= top-k is a no-op, as with the flag"
 
 
 def test_the_whole_request_is_checked_across_keys():
@@ -63,13 +65,16 @@ def test_the_whole_request_is_checked_across_keys():
 
 
 @pytest.mark.parametrize("requested,reason", [
-    ({"oea_k0": -1}, r"oea_k0 must be an integer >= 0, got -1 \(0 = OEA off\)"),
-    ({"oea_k0": 2.5}, r"oea_k0 must be an integer >= 0, got 2.5"),
-    ({"oea_k0": 3.0}, r"oea_k0 must be an integer >= 0, got 3.0"),
-    ({"oea_k0": True}, r"oea_k0 must be an integer >= 0, got True"),
-    ({"oea_min_batch": 0}, r"oea_min_batch must be an integer >= 1, got 0"),
-    ({"oea_max_batch": -2}, r"oea_max_batch must be an integer >= 0, got -2 \(0 = no cap\)"),
-    ({"oea_k0": 2, "oea_max_batch": 1.5}, r"oea_max_batch must be an integer >= 0, got 1.5"),
+    ({"oea_k0": -1}, r"oea_k0 must be an integer from 0 to 64, got -1 \(0 = OEA off\)"),
+    ({"oea_k0": 2.5}, r"oea_k0 must be an integer from 0 to 64, got 2.5"),
+    ({"oea_k0": 3.0}, r"oea_k0 must be an integer from 0 to 64, got 3.0"),
+    ({"oea_k0": True}, r"oea_k0 must be an integer from 0 to 64, got True"),
+    ({"oea_min_batch": 0}, r"oea_min_batch must be an integer from 1 to 65536, got 0"),
+    ({"oea_max_batch": -2}, r"oea_max_batch must be an integer from 0 to 65536, got -2 \(0 = no cap\)"),
+    ({"oea_k0": 2, "oea_max_batch": 1.5}, r"oea_max_batch must be an integer from 0 to 65536, got 1.5"),
+    ({"oea_k0": 2 ** 31}, r"oea_k0 must be an integer from 0 to 64, got 2147483648 \(0 = OEA off\)"),
+    ({"oea_k0": 65}, r"oea_k0 must be an integer from 0 to 64, got 65"),
+    ({"oea_min_batch": 2 ** 40}, r"oea_min_batch must be an integer from 1 to 65536, got 1099511627776"),
     ({"oea_min_batch": 1}, r"oea_min_batch must be >= 2, the server's --oea-min-batch, got 1 \(CUDA graphs were "
                            r"captured without OEA routing .*restart with a wider --oea-min-batch / --oea-max-batch"),
     ({"oea_max_batch": 64}, r"oea_max_batch must be between oea_min_batch and 32, the server's --oea-max-batch "
@@ -93,8 +98,11 @@ def test_an_uncapped_server_takes_any_cap_and_none():
 
 def test_server_info_state_has_the_settings_the_pending_change_and_the_envelope():
     runtime = FakeRuntime()
-    assert live_settings.state_of(runtime) == {"k0": 0, "min_batch": 2, "max_batch": 32,
-                                               "envelope": {"min_batch": 2, "max_batch": 32}}
+    assert live_settings.state_of(runtime) == {
+        "k0": 0, "min_batch": 2, "max_batch": 32, "envelope": {"min_batch": 2, "max_batch": 32}, "verify": True,
+        "kernel": {"flag": "auto", "paths": [{"router": "auto", "self_check": "pending", "shapes": 0}], "tp_size": 1}}
+    runtime.routers.decisions = {"shape a": ("torch", "not_run"), "shape b": ("torch", "not_run")}
+    assert live_settings.state_of(runtime)["kernel"]["paths"] == [{"router": "torch", "self_check": "not_run", "shapes": 2}]
     runtime.pending = LiveSettings(3, 4, 16)
     assert live_settings.state_of(runtime)["pending"] == {"k0": 3, "min_batch": 4, "max_batch": 16}
 
@@ -139,6 +147,29 @@ def test_an_accepted_request_is_requested_once_and_never_overrides_server_args(c
     assert controller.post({"oea_k0": 1}) is True
     assert controller.runtime.requested[-1] == LiveSettings(1, 8, 16), "merged into the pending change"
     assert overrides == [], "the oea_* keys are not ServerArgs fields"
+
+
+def test_a_live_cap_no_verify_pass_can_pass_is_refused_as_at_startup():
+    """Under speculative decoding the cap counts rows: 8 rows under 4 requests x 4 draft tokens
+    closes every verify pass, which the startup check refuses too."""
+    with pytest.raises(SettingRefused, match=r'refused \{"oea_max_batch": 8\}: oea_max_batch 8 rows is below '
+                       r"oea_min_batch 4 requests x 4 draft tokens, so OEA would apply in no verify pass; give "
+                       r"oea_max_batch at least 16"):
+        check_request(LiveSettings(3, 4, 32), {"oea_max_batch": 8}, STARTUP, widths=(4,))
+    assert check_request(LiveSettings(3, 4, 32), {"oea_max_batch": 16}, STARTUP, widths=(4,)).max_batch == 16
+    assert check_request(LiveSettings(3, 4, 32), {"oea_max_batch": 8}, STARTUP).max_batch == 8, "no speculation"
+
+
+def test_a_live_cap_that_closes_some_adaptive_widths_is_accepted_with_a_warning(caplog):
+    runtime = FakeRuntime()
+    runtime.verify_widths = (1, 2, 4, 6, 8)
+    handler = live_settings.handlers(runtime)["oea_max_batch"]
+    with caplog.at_level(logging.WARNING, logger="sglang_oea"):
+        handler.validate("oea_max_batch", 8)
+        handler.apply("oea_max_batch", 8)
+    assert runtime.requested == [LiveSettings(0, 2, 8)]
+    assert ("sglang-oea: accepted, but oea_max_batch 8 rows is below oea_min_batch 2 requests x 6, 8 draft tokens: "
+            "verify passes of that width never route with OEA") in caplog.text
 
 
 def test_a_refused_request_changes_nothing_and_logs_one_line(controller, caplog):
@@ -187,7 +218,7 @@ MODEL = TRAINED["qwen3_moe_trained"]
 SERVER_FLAGS = (*FP32, "--oea-k0", "0", "--oea-min-batch", "1", "--oea-max-batch", "32", "--enable-metrics",
                 "--decode-log-interval", "1", "--admin-api-key", ADMIN_KEY)
 APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
-ARMED = {"k0": 0, "min_batch": 1, "max_batch": 32}
+ARMED = {"k0": 0, "min_batch": 1, "max_batch": 32, "verify": True}
 
 
 @pytest.fixture(scope="module")
@@ -217,9 +248,12 @@ def set_live(base, settings, key=ADMIN_KEY):
         return err.code, err.read().decode(errors="replace")
 
 
-def oea_state(base):
+def oea_state(base, kernel=False):
+    """/server_info's OEA state; without its "kernel" part unless asked (it changes as routing
+    shapes are first seen)."""
     info = json.loads(urllib.request.urlopen(base + "/server_info", timeout=30).read())
-    return info["internal_states"][0]["oea"]
+    state = info["internal_states"][0]["oea"]
+    return state if kernel else {key: value for key, value in state.items() if key != "kernel"}
 
 
 def change(base, **settings):
@@ -255,9 +289,12 @@ def test_off_on_off_changes_routing_and_only_while_on(live, plain):
     assert oea_value(off, SKIPPED, reason="oea_off", k0="0") > 0 and oea_value(off, "sglang:oea_k0") == 0
 
     change(base, oea_k0=1)
+    assert oea_value(scrape(base), "sglang:oea_k0") == 1, "the gauge moves when the change is accepted, idle or not"
     assert greedy_ids(base, plain["prompts"]) != plain["ids"], "k0=1 at min-batch 1 prunes every request"
     on = scrape(base)
     assert oea_state(base) == {**ARMED, "k0": 1, "envelope": {"min_batch": 1, "max_batch": 32}}, "no change pending"
+    assert oea_state(base, kernel=True)["kernel"] == {
+        "flag": "auto", "paths": [{"router": "torch", "self_check": "not_run", "shapes": 1}], "tp_size": 1}
     assert applied_steps(on, k0="1") > 40 and applied_steps(on, k0="0") == 0
     assert (oea_value(on, "sglang:oea_k0"), oea_value(on, "sglang:oea_max_batch")) == (1, 32)
 
@@ -291,6 +328,7 @@ BAD = [
     {"oea_max_batch": 64}, {"oea_max_batch": 0},  # outside the startup cap of 32
     {"oea_k0": 2, "oea_min_batch": 4, "oea_max_batch": 1.5},  # one bad key among good ones
     {"oea_k0": 2, "no_such_setting": 1},  # a key SGLang has no handler for
+    {"oea_k0": 2 ** 31}, {"oea_min_batch": 2 ** 40},  # past the int32 control block: refused, not a crash
 ]
 
 
@@ -306,9 +344,10 @@ def test_bad_values_are_refused_and_change_nothing(live):
     assert oea_state(base) == before
     assert complete(base, PROMPTS[0], 4)["usage"]["completion_tokens"] == 4, "still serving"
     text = open(log).read()
-    assert text.count("sglang-oea: refused ") == len(BAD) - 1, "one line per refused request (SGLang's own for the last)"
+    assert text.count("sglang-oea: refused ") == len(BAD) - 1, "one line per refused request (SGLang's own for one)"
+    assert 'sglang-oea: refused {"oea_k0": 2147483648}: oea_k0 must be an integer from 0 to 64' in text
     assert ('sglang-oea: refused {"oea_k0": 2, "oea_min_batch": 4, "oea_max_batch": 1.5}: oea_max_batch must be an '
-            "integer >= 0, got 1.5 (0 = no cap); nothing changed") in text
+            "integer from 0 to 65536, got 1.5 (0 = no cap); nothing changed") in text
     assert "oea_max_batch must be between oea_min_batch and 32, the server's --oea-max-batch" in text
     assert "Updating no_such_setting is not supported." in text
 

@@ -330,6 +330,35 @@ def test_control_block_equals_int_settings_for_every_k0(scoring):
     assert len(variants) == 2, "k0 and the bounds are not compile-time constants"
 
 
+@needs_kernel
+def test_device_gate_equals_host_gate_at_the_largest_allowed_values():
+    """At the settings' upper bounds (min_batch and max_batch 65536, 16384 draft tokens per request)
+    the kernel's int32 gate, the torch path's and the host's agree: min_batch x rows per request
+    cannot wrap."""
+    from sglang_oea.config import MAX_BATCH, MAX_ROWS_PER_REQUEST, LiveSettings
+    from sglang_oea.passes import VERIFY, skip_reason
+    from sglang_oea.routing import control_gate
+
+    case = Case(B=6, N=64, K=8, k0=1)
+    logits, ids, w, spec = _inputs(case, SEED + 90)
+    ws = OEAWorkspace.allocate(64, 8, 8, ids.dtype, w.dtype, DEVICE)
+    per_request, floor = MAX_ROWS_PER_REQUEST, MAX_BATCH * MAX_ROWS_PER_REQUEST
+    # (min_batch, max_batch, real token rows): just below and at the floor; at and above the cap.
+    for lo, hi, rows in ((MAX_BATCH, 0, floor - 1), (MAX_BATCH, 0, floor), (1, MAX_BATCH, MAX_BATCH),
+                         (1, MAX_BATCH, MAX_BATCH + 1)):
+        per = per_request if hi == 0 else 1
+        control = torch.tensor([1, lo, hi], dtype=torch.int32, device=DEVICE)
+        count = torch.full((1,), rows, dtype=torch.int32, device=DEVICE)
+        out_ids, _ = oea_route(logits, ids, w, control=control, num_routed=8, scoring_func=spec.scoring_func,
+                               correction_bias=spec.correction_bias, num_valid_rows=count, workspace=ws,
+                               rows_per_request=per)
+        host_open = skip_reason(LiveSettings(1, lo, hi), True, VERIFY, rows // per, rows) is None
+        device_open = not torch.equal(out_ids, ids)
+        torch_open = bool(control_gate(count[0], control, 8, per))
+        assert device_open == host_open == torch_open, (lo, hi, rows, device_open, host_open, torch_open)
+        assert host_open == (rows >= lo * per and (hi == 0 or rows <= hi))
+
+
 # (B, real rows, nv_kind, scoring, shared-expert columns, min_batch, max_batch, stats?, ids dtype): one
 # persistent [L, 4] table over all calls, so every call adds to the checksum the previous ones left.
 CHECKSUM_CALLS = [

@@ -26,7 +26,7 @@ import pytest
 pytestmark = pytest.mark.server
 
 from serving.servers import child_env, cpu_server
-from sglang_oea.tiny_model import main as write_tiny_model
+from sglang_oea.cpu.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
 PROMPTS = ["The experts of a batch", "Memory bound decode means", "Tokens borrow experts", "0123 4567 89"]

@@ -3,7 +3,7 @@ with random weights).
 
 NGRAM needs no draft model: the target decodes only in TARGET_VERIFY passes of requests x draft
 tokens rows, which OEA routes. Two CPU-only helpers make it run here: the stand-in sgl_kernel's
-plain-torch bodies for the speculative ops (cpu_stub/sgl_kernel/cpu_bodies.py) and the
+plain-torch bodies for the speculative ops (cpu/stub/sgl_kernel/cpu_bodies.py) and the
 `oea_cpu_harness` plugin's verify attention for the torch_native backend, which has none. The
 baselines load that plugin alone (HARNESS): SGLang's own routing.
 """

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from sglang_oea import hooks, startup_checks
-from sglang_oea.cpu_serve import cpu_environment
-from sglang_oea.tiny_model import main as write_tiny_model
+from sglang_oea.cpu.serve import cpu_environment
+from sglang_oea.cpu.tiny_model import main as write_tiny_model
 
 NUM_EXPERTS, TOP_K = 64, 8
 

@@ -13,6 +13,7 @@ shows that they can fail. A server started without --oea-k0 installs no hooks at
 (test_server_e2e.py, TP=1). One server at a time (2 cores).
 """
 
+import json
 import os
 import re
 import textwrap
@@ -137,6 +138,12 @@ def check_live_changes(base, log):
     assert oea_value(metrics, "sglang:oea_rank_checks_total", tp_rank="1") > checks + 20
     assert [oea_value(metrics, "sglang:oea_k0", tp_rank=rank) for rank in RANKS] == [2, 2]
     assert "routed different experts" not in open(log).read()
+    # A value past the int32 control block is refused on every rank, and the server keeps serving.
+    assert json.loads(post(base + "/set_internal_state", {"server_args": {"oea_k0": 2 ** 31}})) == [False]
+    assert all(r["usage"]["completion_tokens"] == 12 for r in concurrent(base, 4, 12))
+    assert rank_lines(log, r'sglang-oea: refused \{"oea_k0": 2147483648\}: oea_k0 must be an integer from 0 '
+                           r"to 64") == {"0": 1, "1": 1}
+    assert [oea_value(scrape(base), "sglang:oea_k0", tp_rank=rank) for rank in RANKS] == [2, 2]
 
 
 # Loaded by every server process through PYTHONPATH: the last rank's layer-0 checksum, as every rank

@@ -17,6 +17,7 @@ from oea_fixtures import assert_reference_routing, router_inputs, topk_config
 from sglang_oea import hooks, metrics
 from sglang_oea.config import LiveSettings, OEAConfig
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime
+from sglang_oea.passes import verify_cap_problem
 
 DRAFTS, K0 = 4, 3
 CONFIG = topk_config()
@@ -144,17 +145,43 @@ def test_a_draft_runners_capture_does_not_stand_for_the_targets(runtime, monkeyp
     draft_capture = lambda runner: forward(batch, lambda: None)  # noqa: E731
     hooks.graph_capture_hook(target_capture, runner_of(False))
     hooks.graph_capture_hook(draft_capture, runner_of(True))
-    assert runtime.captured == {(VERIFY, 4): None}
+    assert runtime.captured == {(VERIFY, 4, DRAFTS): None}
 
 
 def test_verify_graph_replay_gets_the_real_token_rows(runtime):
     runtime.device_state(torch.device("cpu"), capturing=False)  # made by the warm-ups, before capture
-    runtime.captured[(VERIFY, 4)] = None  # the bucket's capture rewrote ids
+    runtime.captured[(VERIFY, 4, DRAFTS)] = None  # the bucket's capture rewrote ids
     batch = forward_batch("TARGET_VERIFY", 3, 3 * DRAFTS)
     replay = lambda runner, b: int(runtime.device.rows)  # noqa: E731  (what the captured routing reads)
     seen = forward(batch, lambda: hooks.graph_execute_hook(replay, types.SimpleNamespace(bs=4), batch))
     assert seen == 3 * DRAFTS
     assert runtime.applied == {VERIFY: 1}
+
+
+@pytest.mark.parametrize("mode_name,per_request", [("DECODE", 1), ("TARGET_VERIFY", DRAFTS)])
+def test_a_forward_rerun_inside_a_replay_routes_as_the_graph(monkeypatch, mode_name, per_request):
+    """--debug-cuda-graph: the breakable backend replays by re-running the whole forward eagerly on
+    the graph's capture-time batch (bucket 4, padded), inside DecodeCudaGraphRunner.execute and the
+    step's own context (3 real requests). That nested pass is a graph pass: the routing reads the
+    real rows from the device scalar and gates on the device, so the padded request's rows are
+    never part of the union; the step is counted once, by its capture."""
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2), speculative=per_request > 1)
+    monkeypatch.setattr(hooks, "_runtime", rt)
+    monkeypatch.setattr(hooks, "capture_mode_active", lambda: False)  # even if SGLang's flag read False
+    mode = VERIFY if per_request > 1 else DECODE
+    rt.device_state(torch.device("cpu"), capturing=False)
+    rt.accounts.captured[(mode, 4, per_request)] = None  # the bucket's capture rewrote ids
+    logits, ids, weights = router_inputs(4 * per_request, seed=7)
+    padded = forward_batch(mode_name, 4, 4 * per_request)
+
+    def debug_replay(runner, batch):
+        return forward(padded, lambda: (rt.step.graph, rt.route(ids, weights, CONFIG, logits, 0)))
+
+    real = forward_batch(mode_name, 3, 3 * per_request)
+    graph, routed = forward(real, lambda: hooks.graph_execute_hook(debug_replay, types.SimpleNamespace(bs=4), real))
+    assert graph, "the re-run forward is a graph pass"
+    assert_reference_routing(routed, logits, ids, weights, K0, 3 * per_request)
+    assert rt.applied == {mode: 1} and not rt.skipped
 
 
 def test_startup_line_says_whether_verify_passes_are_routed():
@@ -165,11 +192,27 @@ def test_startup_line_says_whether_verify_passes_are_routed():
 
 def test_startup_line_says_how_many_verify_requests_the_cap_admits():
     """--oea-max-batch counts rows: under EAGLE with 4 draft tokens, a cap of 128 is 32 requests;
-    a cap below min-batch x draft tokens leaves OEA off in every verify pass, and the line says so."""
-    note = hooks.speculative_note(OEAConfig(k0=K0, max_batch=128), "EAGLE", 4)
-    assert "at most 32 requests of 4 draft tokens under the cap" in note and "applies in no verify pass" not in note
-    note = hooks.speculative_note(OEAConfig(k0=K0, min_batch=4, max_batch=8), "EAGLE", 4)
-    assert "OEA applies in no verify pass: --oea-max-batch 8 rows is below --oea-min-batch 4 requests x 4" in note
+    under adaptive widths, a cap that closes the gate for the wider ones says so."""
+    note = hooks.speculative_note(OEAConfig(k0=K0, max_batch=128), "EAGLE", (4,))
+    assert "at most 32 requests of 4 draft tokens under the cap" in note and "never route" not in note
+    note = hooks.speculative_note(OEAConfig(k0=K0, min_batch=2, max_batch=8), "EAGLE", (1, 2, 4, 6, 8))
+    assert "at most 8 requests of 1 draft tokens, 4 requests of 2 draft tokens" in note
+    assert ("--oea-max-batch 8 rows is below --oea-min-batch 2 requests x 6, 8 draft tokens: verify passes of that "
+            "width never route with OEA (narrower ones still do)") in note
+
+
+@pytest.mark.parametrize("min_batch,max_batch,widths,refused,warned", [
+    (4, 0, (4,), False, False),  # no cap
+    (4, 16, (4,), False, False),  # exactly min_batch x width
+    (4, 15, (4,), True, False),  # every verify pass closed
+    (2, 8, (1, 2, 4, 6, 8), False, True),  # adaptive: 6 and 8 closed, narrower open
+    (2, 3, (2, 4), True, False),  # adaptive, every width closed
+    (1, 0, (1 << 15,), True, False),  # past the device gate's int32 bound
+    (4, 8, (), False, False),  # no speculative decoding
+])
+def test_verify_cap_problem(min_batch, max_batch, widths, refused, warned):
+    refusal, warning = verify_cap_problem(min_batch, max_batch, widths)
+    assert (refusal is not None, warning is not None) == (refused, warned), (refusal, warning)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -223,6 +266,17 @@ def test_step_counters_carry_the_pass_mode_and_k0(fake_prometheus):
                        labelled(mode="other", reason="not_decode", k0="3"): 1}
     assert metrics.summary(rt, None) == "OEA k0=3: applied 3/4 verify steps"
     assert metrics.summary(OEARuntime(OEAConfig(k0=K0)), None) == "OEA k0=3: applied 0/0 decode steps"
+
+
+def test_settings_gauges_move_when_a_change_is_accepted(fake_prometheus):
+    """No decode step needed: the gauges follow an accepted change at once (an idle server too)."""
+    rt = OEARuntime(OEAConfig(k0=0, min_batch=1, max_batch=16))
+    export = metrics.PrometheusExport("m", 0, rt.settings)
+    metrics.follow_settings(rt, export)
+    gauges = {field: fake_prometheus[f"sglang:oea_{field}"].samples for field in ("k0", "min_batch", "max_batch")}
+    rt.request_settings(LiveSettings(5, 2, 8))
+    assert rt.settings.k0 == 0 and rt.pending == LiveSettings(5, 2, 8), "not in force before the next pass"
+    assert {field: samples[labelled()] for field, samples in gauges.items()} == {"k0": 5, "min_batch": 2, "max_batch": 8}
 
 
 def test_steps_are_attributed_to_the_k0_they_ran_with(fake_prometheus):

@@ -35,7 +35,7 @@ import zipfile
 
 import pytest
 
-from sglang_oea.cpu_serve import cpu_environment
+from sglang_oea.cpu.serve import cpu_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAG_GROUP = "Opportunistic Expert Activation (sglang-oea)"
@@ -58,7 +58,7 @@ print(json.dumps({
 """
 # In the new env after the install: SGLang's --help under the wheel's own cpu_environment().
 HELP_WITH_WHEEL = (
-    "import os, sys; from sglang_oea.cpu_serve import STUB_DIR, cpu_environment; print(STUB_DIR, flush=True); "
+    "import os, sys; from sglang_oea.cpu.serve import STUB_DIR, cpu_environment; print(STUB_DIR, flush=True); "
     "os.execve(sys.executable, [sys.executable, '-m', 'sglang.launch_server', '--help'], cpu_environment())"
 )
 
@@ -130,7 +130,7 @@ def test_wheel_carries_entry_point_stub_and_pin(wheel):
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
         metadata = whl.read(f"{info}/METADATA").decode()
-    for module in ("plugin.py", "hooks.py", "cpu_serve.py", "kernels/oea_route.py", "cpu_stub/sgl_kernel/__init__.py"):
+    for module in ("plugin.py", "hooks.py", "cpu_serve.py", "kernels/oea_route.py", "cpu/stub/sgl_kernel/__init__.py"):
         assert f"sglang_oea/{module}" in names, f"{module} missing from {wheel}: {sorted(names)}"
     assert "[sglang.srt.plugins]" in entry_points and ENTRY_POINT in entry_points, entry_points
     from packaging.requirements import Requirement

@@ -70,7 +70,7 @@ def time_moe_layer(batch: int, top_k: int, num_experts: int, hidden: int, ffn: i
 def run_in_cpu_env(args: Sequence[str], timeout_s: float = 600.0) -> Dict[int, List[float]]:
     """This script with --json in a fresh process under the CPU engine's environment (the stand-in
     sgl_kernel first on PYTHONPATH); its {T: [us per repeat]}. RuntimeError with its output on failure."""
-    from sglang_oea.cpu_serve import cpu_environment
+    from sglang_oea.cpu.serve import cpu_environment
 
     env = cpu_environment()
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.path.join(REPO, "python")])

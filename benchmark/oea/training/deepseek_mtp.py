@@ -82,7 +82,7 @@ def deepseek_v3_config(args: argparse.Namespace, base: Dict) -> Dict:
     MLA sizes follow from --hidden-size and --num-heads (head = H / heads): qk_nope_head_dim =
     v_head_dim = head, qk_rope_head_dim = head / 2, q_lora_rank = kv_lora_rank = H / 2.
     """
-    from sglang_oea.tiny_model import sigmoid_bias_moe
+    from sglang_oea.cpu.tiny_model import sigmoid_bias_moe
 
     head = args.hidden_size // args.num_heads
     config = {key: value for key, value in base.items() if key not in ("head_dim", "rope_theta")}
@@ -105,7 +105,7 @@ def deepseek_v3_config(args: argparse.Namespace, base: Dict) -> Dict:
 
 def write_deepseek_v3_model(args: argparse.Namespace, texts: Iterable[str]) -> None:
     """Tokenizer (trained on `texts`), config.json and generation_config.json into args.out."""
-    from sglang_oea.tiny_model import SPECIAL_TOKENS, common_config, train_tokenizer
+    from sglang_oea.cpu.tiny_model import SPECIAL_TOKENS, common_config, train_tokenizer
 
     os.makedirs(args.out, exist_ok=True)
     vocab_size = train_tokenizer(args.out, args.vocab_size, texts)

@@ -59,7 +59,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmark
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)  # its folders import as packages
 
-from sglang_oea.tiny_model import write_model  # noqa: E402
+from sglang_oea.cpu.tiny_model import write_model  # noqa: E402
 from training import deepseek_mtp  # noqa: E402
 
 MAX_CHECKPOINT_BYTES = 30 * 1000 * 1000

@@ -6,9 +6,11 @@ from typing import Optional
 
 import torch
 
+from sglang_oea.config import MAX_K0
+
 # An expert id lives in the low 16 bits of a pick key (oea_route._pick_keys).
 MAX_EXPERTS = 1 << 15
-MAX_TOP_K = 64
+MAX_TOP_K = MAX_K0  # --oea-k0 is bounded by the same number
 
 
 def check_arguments(router_logits, topk_ids, topk_weights, num_routed, scoring_func, correction_bias,

@@ -123,7 +123,7 @@ def test_sglang_loads_every_target_and_draft_weight(checkpoint_dir):
     written; every draft parameter but embed_tokens and lm_head (shared from the target at serve
     time, deepseek_weight_loader.py skips the checkpoint's copies); no loader warnings; fused
     tensors equal their sources."""
-    from sglang_oea.cpu_serve import cpu_environment
+    from sglang_oea.cpu.serve import cpu_environment
 
     env = cpu_environment()
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.path.join(ROOT, "python")])

@@ -17,7 +17,7 @@ import logging
 import sys
 import types
 
-logger = logging.getLogger("sglang_oea.cpu_stub")
+logger = logging.getLogger("sglang_oea.cpu.stub")
 OWN_MODULES = {__name__ + ".cpu_bodies", __name__ + ".eagle_bodies"}
 __version__ = "0.0.0+sglang-oea-cpu-stub"
 IS_SGLANG_OEA_STUB = True

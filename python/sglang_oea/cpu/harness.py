@@ -13,9 +13,9 @@ Why it exists:
   path: it reads `extend_prefix_lens`, which verify batches leave unset, and fails. The hook runs
   verify passes through `verify_attention` below (tree-masked attention over the KV cache).
 - MLA (the DeepSeek-V2/V3 family, GLM-5's attention): `torch_native` cannot run the expanded
-  multi-head path SGLang picks for a prefill with no cached prefix; cpu_mla.py sends it through
+  multi-head path SGLang picks for a prefill with no cached prefix; mla.py sends it through
   the absorbed MLA path instead.
-- `--speculative-algorithm EAGLE` with an MTP draft: cpu_eagle.py (draft attention backends on
+- `--speculative-algorithm EAGLE` with an MTP draft: eagle.py (draft attention backends on
   `torch_native`, no CUDA synchronisation on the CPU).
 
 It is a separate plugin from `oea` so that a baseline can load it alone
@@ -25,8 +25,8 @@ It is a separate plugin from `oea` so that a baseline can load it alone
 import importlib.util
 import os
 
-from sglang_oea import cpu_eagle, cpu_mla
-from sglang_oea.cpu_serve import STUB_DIR
+from sglang_oea.cpu import eagle as cpu_eagle, mla as cpu_mla
+from sglang_oea.cpu.serve import STUB_DIR
 
 PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
@@ -53,9 +53,10 @@ def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache: bool
 
     Args:
         q: [B * D, Hq * Dqk]; k, v: [B * D, Hkv, Dqk / Dv], written to the KV cache first.
-        forward_batch.spec_info.custom_mask: [B * D * D] bool, mask[b, i, j]: draft i sees draft j
-            (NGRAM on the CPU builds this draft-only mask, not the prefix-wide one; NGRAM is the
-            algorithm this was written and tested for).
+        forward_batch.spec_info.custom_mask: [B * D * D] bool, mask[b, i, j]: draft i sees draft j.
+            This is the draft-only (QLEN_ONLY) tree mask, which SGLang builds on the CPU for both
+            NGRAM and EAGLE (`speculative/eagle_utils.py`, default_tree_mask_mode: QLEN_ONLY when
+            on the CPU), not the prefix-wide FULL_MASK of the GPU kernels; tested with both.
     Returns:
         [B * D, Hq * Dv].
     """
@@ -100,4 +101,4 @@ def register() -> None:
     HookRegistry.register(PARALLEL_GROUP, cpu_group_kwargs, HookType.BEFORE)
     HookRegistry.register(TORCH_NATIVE_EXTEND, verify_aware_extend, HookType.AROUND)
     cpu_mla.register_hooks()  # MLA attention (DeepSeek-V2/V3, GLM-5) on torch_native
-    cpu_eagle.register()  # EAGLE / MTP drafts on the CPU engine (cpu_eagle.py)
+    cpu_eagle.register()  # EAGLE / MTP drafts on the CPU engine (cpu/eagle.py)

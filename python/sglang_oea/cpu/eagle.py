@@ -1,12 +1,12 @@
 """CPU-only hooks that let EAGLE / MTP speculative decoding run on SGLang's CPU engine.
 
-Registered by the `oea_cpu_harness` plugin (cpu_harness.register), so only when the CPU stand-in
+Registered by the `oea_cpu_harness` plugin (harness.register), so only when the CPU stand-in
 `sgl_kernel` is active; a GPU run never reaches them. Nothing here touches routing.
 
 On the CPU, SGLang 0.5.23 runs EAGLE through `EAGLEWorkerV2` without the overlap schedule (it
 turns overlap off itself: `_disable_overlap_schedule_for_cpu` in arg_groups/speculative_hook.py).
 One step: the draft model proposes S tokens per request (draft decode, S - 1 forward passes), the
-target verifies them in one TARGET_VERIFY pass (cpu_harness.verify_attention), and the draft model
+target verifies them in one TARGET_VERIFY pass (harness.verify_attention), and the draft model
 re-reads the verified window (draft extend, an ordinary causal extend). The hooks:
 
 - `EagleDraftWorker.init_lm_head`: the draft shares the target's embedding and LM head through
@@ -18,7 +18,7 @@ re-reads the verified window (draft extend, an ordinary causal extend). The hook
   backends read the KV cache through a per-step view of the request table.
 
 The draft tree's kernels (KV slots, tree building, bonus tokens) have plain-torch bodies in the
-stand-in `sgl_kernel` (cpu_stub/sgl_kernel/eagle_bodies.py).
+stand-in `sgl_kernel` (cpu/stub/sgl_kernel/eagle_bodies.py).
 """
 
 import contextlib
@@ -171,7 +171,7 @@ def draft_extend_backend(original, factory, *args, **kwargs):
 
 
 def register() -> None:
-    """Register the EAGLE hooks (called by cpu_harness.register when the stand-in is active)."""
+    """Register the EAGLE hooks (called by harness.register when the stand-in is active)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(INIT_LM_HEAD, share_embed_and_head_on_cpu, HookType.AROUND)
