@@ -13,7 +13,9 @@ Checks, in the order they run (correctness first; numbers kept from earlier repo
   5. the real runtime path: OEARuntime + GLM-5 / Qwen3-30B-A3B shaped layers, SGLang's warm-ups,
      ONE real CUDA graph captured over every layer's `runtime.route`, replays with several real row
      counts (gate open and closed) == the reference; nothing compiled during capture; the
-     self-check's wall time (gpu_runtime_check.py);
+     self-check's wall time; and the same captured as `--cuda-graph-backend-decode breakable` does
+     around graph breaks: a graph per layer in one pool, eager work between them
+     (gpu_runtime_check.py);
  10. live settings under that graph, captured once: k0 3 -> 5 -> 0 -> 3 -> top-k and the gate's
      floor and cap changed between replays (OEARuntime.request_settings), each replay == the
      reference at its pass's settings (k0 = 0 and k0 >= top-k: the router's own bits), nothing
@@ -36,7 +38,10 @@ Checks, in the order they run (correctness first; numbers kept from earlier repo
   6. the runtime path's time per MoE layer under graph replay (kernel path, torch path, plain
      routing) and its eager host time per call (gpu_timing.py): the torch path's figure is what
      `--oea-kernel auto` avoids by turning OEA off when the kernel fails;
-  4. MoE-layer time vs T on Qwen3-30B-A3B shapes with a Triton grouped GEMM (gpu_moe.py).
+  4. MoE-layer time vs T on Qwen3-30B-A3B shapes with a Triton grouped GEMM (gpu_moe.py), its tile
+     configs limited to those whose shared memory fits the device (sm_120: 101376 B per block, so
+     not 16x128x128 with 3 stages in bf16), the report naming the one that ran. This is our own
+     GEMM; moe_premise.py times the MoE function SGLang itself calls.
 
     python benchmark/oea/gpu/gpu_check.py             # GPU: report to $OUT/gpu_check.md if OUT is set,
                                                       # else benchmark/oea/results/gpu_check-<date>.md

@@ -99,7 +99,6 @@ class MoELayout:
     row_token: torch.Tensor  # [M_pad] int64 token, B (a dump row) on padding
     row_weight: torch.Tensor  # [M_pad] float32 routing weight, 0 on padding
     experts: List[int] = field(default_factory=list)  # the active experts (T = len)
-    loop_groups: list = field(default_factory=list)  # (expert, tokens, weights), loop fallback only
 
 
 def moe_layout(ids: torch.Tensor, weights: torch.Tensor, block_m: int, device) -> MoELayout:
@@ -156,18 +155,21 @@ def moe_reference(x, w_up, w_down, ids, weights):
     return out
 
 
-def moe_loop_forward(x, w_up, w_down, lay: MoELayout):
-    """Fallback when the Triton grouped GEMM fails: one torch.matmul pair per active expert."""
+def moe_loop_forward(x, w_up, w_down, groups):
+    """One torch.matmul pair per active expert (the fallback when the Triton grouped GEMM fails, and
+    moe_premise.py's dry-run stand-in): groups from loop_groups. x [B, H], w_up [E, H, 2I],
+    w_down [E, I, H]; returns [B, H] float32."""
     inter = w_down.shape[1]
     out = torch.zeros(x.shape[0] + 1, x.shape[1], dtype=torch.float32, device=x.device)
-    for e, tok, wt in lay.loop_groups:
+    for e, tok, wt in groups:
         h = x.index_select(0, tok) @ w_up[e]
         y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w_down[e]
         out.index_add_(0, tok, y.float() * wt[:, None])
     return out[:-1]
 
 
-def _loop_groups(ids: torch.Tensor, weights: torch.Tensor, device):
+def loop_groups(ids: torch.Tensor, weights: torch.Tensor, device):
+    """[(expert, its rows [n] int64, their weights [n] float32)] for each expert in ids [B, K], by id."""
     ids, weights = ids.cpu().long(), weights.cpu().float()
     groups = []
     for e in sorted(set(ids.flatten().tolist())):
@@ -203,6 +205,48 @@ GEMM_CONFIGS = (
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
 )
 
+# Opt-in shared memory per thread block, bytes, by compute capability (CUDA C++ Programming Guide,
+# technical specifications): used when torch does not report shared_memory_per_block_optin.
+SMEM_PER_BLOCK_OPTIN = {
+    (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+    (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376,
+}
+SMEM_WITHOUT_OPTIN = 49152  # what every CUDA device gives a block without opting in
+
+
+def tile_smem_bytes(cfg: Dict[str, int], elem_bytes: int) -> int:
+    """Shared memory one grouped-GEMM tile config needs: Triton's software pipeline keeps num_stages
+    copies of an A tile [BLOCK_M, BLOCK_K] and a B tile [BLOCK_K, BLOCK_N]. 16x128x128 with 3 stages
+    in bf16: 3 * (16*128 + 128*128) * 2 = 110592 B, beyond sm_120's 101376."""
+    return cfg["num_stages"] * (cfg["BLOCK_M"] * cfg["BLOCK_K"] + cfg["BLOCK_K"] * cfg["BLOCK_N"]) * elem_bytes
+
+
+def smem_limit(capability: Tuple[int, int], reported: Optional[int]) -> Tuple[int, str]:
+    """(bytes of shared memory a block may use, where the figure comes from)."""
+    if reported:
+        return reported, "shared_memory_per_block_optin reported by torch"
+    if tuple(capability) in SMEM_PER_BLOCK_OPTIN:
+        return SMEM_PER_BLOCK_OPTIN[tuple(capability)], f"table for sm_{capability[0]}{capability[1]}"
+    return SMEM_WITHOUT_OPTIN, f"sm_{capability[0]}{capability[1]} not in the table: the 48 KB every block gets"
+
+
+def fitting_configs(configs: Sequence[Dict[str, int]], limit: int, elem_bytes: int):
+    """(the configs whose tiles fit in `limit` bytes, [(config, bytes)] of those that do not). When
+    none fits, the smallest, with num_stages lowered until it fits (down to 1), is the one kept."""
+    fit = [c for c in configs if tile_smem_bytes(c, elem_bytes) <= limit]
+    left_out = [(c, tile_smem_bytes(c, elem_bytes)) for c in configs if c not in fit]
+    if not fit:
+        small = dict(min(configs, key=lambda c: tile_smem_bytes(c, elem_bytes)))
+        while small["num_stages"] > 1 and tile_smem_bytes(small, elem_bytes) > limit:
+            small["num_stages"] -= 1
+        fit = [small]
+    return fit, left_out
+
+
+def device_smem_limit(device: str) -> Tuple[int, str]:
+    props = torch.cuda.get_device_properties(device)
+    return smem_limit(torch.cuda.get_device_capability(device), getattr(props, "shared_memory_per_block_optin", None))
+
 
 def _fit(points: Sequence[Tuple[float, float]]) -> Tuple[float, float, float]:
     """Least squares y = a + b x: (slope b, intercept a, R^2)."""
@@ -215,6 +259,26 @@ def _fit(points: Sequence[Tuple[float, float]]) -> Tuple[float, float, float]:
     ss_tot = sum((y - my) ** 2 for y in ys)
     ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
     return slope, intercept, (1 - ss_res / ss_tot) if ss_tot else float("nan")
+
+
+def fastest_config(configs, x, w_up, w_down, lay, lines: List[str]) -> Dict[str, int]:
+    """The config of `configs` with the lowest graph-replay time on layout `lay`; a config that
+    fails to compile or launch (Triton's own shared-memory check included) is reported and skipped."""
+    best = None
+    for c in configs:
+        bufs = (torch.zeros(lay.src_rows.numel(), w_up.shape[2], dtype=x.dtype, device=x.device),
+                torch.zeros(lay.src_rows.numel(), w_down.shape[2], dtype=x.dtype, device=x.device))
+        try:
+            t = graph_time_us(lambda: moe_forward(x, w_up, w_down, lay, c, bufs), inner=5, replays=20)[0]
+        except Exception as e:  # e.g. triton.runtime.errors.OutOfResources: the next config
+            lines.append(f"- tile config {c}: failed, {type(e).__name__}: {str(e).splitlines()[0]}")
+            continue
+        lines.append(f"- tile config {c}: {t:.1f} us (vanilla, seed 0)")
+        if best is None or t < best[0]:
+            best = (t, c)
+    if best is None:
+        raise RuntimeError("no grouped-GEMM tile config ran")
+    return best[1]
 
 
 QWEN3_30B_A3B = dict(hidden=2048, inter=768, experts=128, top_k=8, rows=16)
@@ -243,23 +307,20 @@ def bench_moe(
             o_ids, o_w = oea.oea_route(logits, ids, w, k0=k0, num_valid_rows=B, min_batch=1)
             yield f"k0={k0}", o_ids.clone(), o_w.clone()
 
-    # Correctness of the GEMM on the real shapes, then pick the fastest tile config.
+    # The tile configs whose shared memory fits this GPU; correctness of the GEMM on the real
+    # shapes, then the fastest config.
+    limit, source = device_smem_limit(device)
+    configs, left_out = fitting_configs(GEMM_CONFIGS, limit, x.element_size())
+    lines.append(f"- shared memory per block: {limit} B ({source}); tile configs that fit: {len(configs)}")
+    lines += [f"- tile config {c}: left out, needs {need} B" for c, need in left_out]
     engine, cfg = "triton grouped GEMM", None
     _, ids0, w0 = next(routings(SEED))
     try:
         lay0 = moe_layout(ids0, w0, 16, device)
-        got = moe_forward(x, w_up, w_down, lay0, GEMM_CONFIGS[0])
+        got = moe_forward(x, w_up, w_down, lay0, configs[0])
         want = moe_reference(x, w_up, w_down, ids0, w0)
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
-        best = None
-        for c in GEMM_CONFIGS:
-            bufs = (torch.zeros(lay0.src_rows.numel(), 2 * I, dtype=x.dtype, device=device),
-                    torch.zeros(lay0.src_rows.numel(), H, dtype=x.dtype, device=device))
-            t = graph_time_us(lambda: moe_forward(x, w_up, w_down, lay0, c, bufs), inner=5, replays=20)[0]
-            lines.append(f"- tile config {c}: {t:.1f} us (vanilla, seed 0)")
-            if best is None or t < best[0]:
-                best = (t, c)
-        cfg = best[1]
+        cfg = fastest_config(configs, x, w_up, w_down, lay0, lines)
     except Exception as e:
         engine = "torch.matmul loop over active experts (fallback: the Triton grouped GEMM failed)"
         warnings.append(f"grouped GEMM failed: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -274,14 +335,15 @@ def bench_moe(
                         torch.zeros(lay.src_rows.numel(), H, dtype=x.dtype, device=device))
                 t = graph_time_us(lambda: moe_forward(x, w_up, w_down, lay, cfg, bufs), inner=10, replays=30)[0]
             else:
-                lay.loop_groups = _loop_groups(ids, w, device)
-                t = graph_time_us(lambda: moe_loop_forward(x, w_up, w_down, lay), inner=3, replays=10)[0]
+                groups = loop_groups(ids, w, device)
+                t = graph_time_us(lambda: moe_loop_forward(x, w_up, w_down, groups), inner=3, replays=10)[0]
             by_arm.setdefault(arm, []).append((len(lay.experts), t))
     vanilla = by_arm["vanilla"]
     t_van = statistics.fmean(t for _, t in vanilla)
     lines += [
         "",
-        f"Engine: {engine}" + (f", tiles {cfg}" if cfg else "") + f"; {seeds} random-logit batches (B = {B}).",
+        f"Engine: {engine}" + (f"; the tile config that ran: {cfg} ({tile_smem_bytes(cfg, x.element_size())} B "
+                               f"shared)" if cfg else "") + f"; {seeds} random-logit batches (B = {B}).",
         "",
         "| arm | mean T | mean layer us | ratio vs vanilla (min-max) | + routing kernel | paper H100 |",
         "|---|---|---|---|---|---|",

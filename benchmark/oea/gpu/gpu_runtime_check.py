@@ -26,7 +26,9 @@ test/srt/test_graph_path.py) and static input buffers: bf16 router logits, int32
      a passing self-check; the torch scenario: torch, not run).
 Scenarios: the kernel with max_batch below the bucket (run first, in a process that has launched no
 kernel of these shapes yet: the warm-ups run with the gate closed and must still compile everything
-the capture launches), the kernel with no cap, the torch path (OEAConfig(kernel="torch")), and a
+the capture launches), the kernel with no cap, the torch path (OEAConfig(kernel="torch")), the
+breakable backend's capture (one graph per layer in a shared pool, eager breaks between them,
+GraphCapture.capture_segments), and a
 speculative verify graph: begin_step(VERIFY, requests x drafts rows, requests=...), the bucket and
 the replays counted in requests, every draft token a row, the gate's floor on requests and its cap
 on token rows.
@@ -86,6 +88,7 @@ class Scenario:
     rows: Tuple[int, ...]  # real rows of the replays (requests, for a verify scenario)
     min_batch: int = 4
     drafts: int = 1  # token rows per request: > 1 is a speculative verify graph
+    segments: bool = False  # capture as --cuda-graph-backend-decode breakable does (GraphCapture)
 
     @property
     def mode(self) -> str:
@@ -97,6 +100,7 @@ def scenarios(use_graph: bool) -> Tuple[Scenario, ...]:
         capped = Scenario("kernel, max_batch 48 < bucket", "auto", 3, 48, 64, (64, 61, 48, 23, 4, 2))
         return (capped, Scenario("kernel, no cap", "auto", 4, 0, 64, (64, 61, 23, 5, 3)),
                 replace(capped, name="torch path, max_batch 48", kernel="torch"),
+                replace(capped, name="kernel, breakable: a graph per layer, eager breaks between", segments=True),
                 Scenario("kernel, verify 4 drafts, max_batch 48 rows < bucket", "auto", 3, 48, 16,
                          (16, 13, 12, 5, 4, 3, 1), drafts=4))
     # The interpreter is slow (~30 ms per row and launch): one kernel scenario, small shapes.
@@ -309,12 +313,20 @@ def regs_spills(compiled) -> str:
 
 class GraphCapture:
     """The captured forward: a real CUDA graph (use_graph), or on the CPU the forward re-run on each
-    "replay" with sglang_oea.runtime.is_capturing forced on (test/srt/test_graph_path.py)."""
+    "replay" with sglang_oea.runtime.is_capturing forced on (test/srt/test_graph_path.py).
 
-    def __init__(self, use_graph: bool):
-        self.use_graph = use_graph
+    segments: capture as SGLang's breakable backend (`--cuda-graph-backend-decode breakable`) does
+    where a model's forward has graph breaks: the forward split into several graphs captured one
+    after another into one memory pool, with eager work between them, replayed in order with that
+    work re-run eagerly. Here each MoE layer's routing is its own segment, and the eager "break"
+    between segments writes the next layer's logits buffer again (as a break's output feeds the
+    next segment), so every segment must read the device row count and control block itself."""
+
+    def __init__(self, use_graph: bool, segments: bool = False):
+        self.use_graph, self.segments = use_graph, segments
         self.stream = torch.cuda.Stream() if use_graph else None
         self.graph = torch.cuda.CUDAGraph() if use_graph else None
+        self.parts: List[Tuple["torch.cuda.CUDAGraph", Callable]] = []  # (segment, eager break after it)
         self.fn: Optional[Callable] = None
         self.outputs = None
 
@@ -350,9 +362,29 @@ class GraphCapture:
             self.outputs = fn()
         return self.outputs
 
+    def capture_segments(self, rt: OEARuntime, layers: Sequence["Layer"]):
+        """Breakable capture: one graph per layer's routing in a shared pool, an eager break after each."""
+        if not self.use_graph:
+            return self.capture(lambda: forward(rt, layers))
+        pool, self.outputs = torch.cuda.graph_pool_handle(), {}
+        for layer in layers:
+            segment = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(segment, pool=pool, stream=self.stream):
+                self.outputs[layer.layer_id] = layer.route(rt)
+            self.parts.append((segment, lambda layer=layer: layer.logits.mul_(1)))
+            self.parts[-1][1]()  # the break also runs once at capture, eagerly
+        torch.cuda.synchronize()
+        return self.outputs
+
     def replay(self, rt: OEARuntime, bucket: int, drafts: int = 1):
         """Inside the replay's forward context: on the CPU the captured Python path runs again in the
         bucket's graph context, as the graph would replay it."""
+        if self.use_graph and self.parts:
+            for segment, eager_break in self.parts:
+                segment.replay()
+                eager_break()
+            torch.cuda.synchronize()
+            return self.outputs
         if self.use_graph:
             self.graph.replay()
             torch.cuda.synchronize()
@@ -433,14 +465,17 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     rt = OEARuntime(OEAConfig(k0=sc.k0, min_batch=sc.min_batch, max_batch=sc.max_batch, kernel=sc.kernel),
                     speculative=sc.drafts > 1)
     self_checks = time_self_checks(rt, watch)
-    graph = GraphCapture(use_graph)
+    graph = GraphCapture(use_graph, sc.segments)
     with LaunchRecorder() as recorder, forward_step(rt, sc.bucket, graph=True, drafts=sc.drafts):
         with graph.warm_up_stream():
             for _ in range(2):
                 forward(rt, layers)
         mark = watch.mark()
         recorder.capturing = True
-        graph.capture(lambda: forward(rt, layers))
+        if sc.segments:
+            graph.capture_segments(rt, layers)
+        else:
+            graph.capture(lambda: forward(rt, layers))
         recorder.capturing = False
         compiles, growth = watch.since(mark)
     fresh = recorder.launched[True] - recorder.launched[False]
