@@ -126,16 +126,34 @@ def check_a2a_backend(backend: Optional[str], resolved: bool = False) -> None:
 
 
 def check_parallelism(get: Callable[[str, Any], Any]) -> None:
-    """Refuse the parallel layouts OEA does not support yet. `get(name, default)` reads a setting."""
+    """Refuse the parallel layouts OEA does not support yet. `get(name, default)` reads a setting.
+
+    Supported: tensor parallel on one node or across nodes (--nnodes), and data-parallel replicas
+    (--dp-size N without DP attention): every scheduler routes its own batch, and the batch each
+    MoE layer routes is that scheduler's own (docs/scale-out.md)."""
     check_a2a_backend(get("moe_a2a_backend", "none"))
     if (get("ep_size", 1) or 1) > 1:
         raise ValueError(f"--oea-k0 supports --ep-size 1 only (expert parallel is not supported yet), got {get('ep_size', 1)}")
     if get("enable_dp_attention", False) or (get("attn_dp_size", 1) or 1) > 1:
-        raise ValueError("--oea-k0 does not support DP attention yet (--attn-dp-size / --enable-dp-attention must be off)")
-    if (get("dp_size", 1) or 1) > 1:
-        raise ValueError(f"--oea-k0 supports --dp-size 1 only (data parallel is not supported yet), got {get('dp_size', 1)}")
+        raise ValueError("--oea-k0 does not support DP attention yet (--enable-dp-attention / --attn-dp-size > 1: each "
+                         "rank's MoE layers route the tokens gathered from every attention-DP rank); data-parallel "
+                         "replicas (--dp-size N without --enable-dp-attention) are supported")
     if get("use_ray", False):
         raise ValueError("--oea-k0 does not support --use-ray: Ray workers do not load SGLang plugins")
+
+
+def note_disaggregation(get: Callable[[str, Any], Any]) -> None:
+    """Say once what OEA does on a prefill/decode-disaggregated server (sglang --disaggregation-mode).
+    A decode server's batches are ordinary decode passes (routed as on any server); a prefill server
+    runs no decode pass at all, so OEA there is armed but never applies."""
+    mode = get("disaggregation_mode", "null") or "null"
+    if mode == "prefill":
+        logger.warning("sglang-oea: --disaggregation-mode prefill: this server runs only prefill passes, which OEA "
+                       "never routes, so --oea-k0 changes nothing here; give it to the decode servers "
+                       "(--disaggregation-mode decode), where the decode batches run.")
+    elif mode == "decode":
+        logger.info("sglang-oea: --disaggregation-mode decode: OEA routes this server's decode batches (the requests "
+                    "whose KV cache the prefill servers transferred), as on a server that does both.")
 
 
 def check_resolved_parallelism(get: Callable[[str, Any], Any]) -> None:
@@ -298,6 +316,7 @@ def validate_server(
         return None
     check_sglang_version(installed_sglang_version())
     check_parallelism(get)
+    note_disaggregation(get)
     check_backend(get("moe_runner_backend", "auto"))
     check_serving_mode(cfg, get)
     check_kernel(cfg, get, cuda_available or _cuda_available)

@@ -267,7 +267,7 @@ def ensure_runtime() -> Optional[OEARuntime]:
         parallel = get_parallel()
         _runtime = OEARuntime(cfg, rank=int(parallel.tp_rank or 0),
                               speculative=bool(get_server_args().speculative_algorithm),
-                              world_size=int(parallel.tp_size or 1), agree=tp_agreement)
+                              world_size=int(parallel.tp_size or 1), agree=tp_agreement, dp_rank=parallel.dp_rank)
     return _runtime
 
 

@@ -6,7 +6,10 @@
                   iteration) requested the change; it takes effect at the next forward pass
       -> [false]  refused; nothing changed; each rank logged one line with the key, the value and
                   what is allowed
-      (one bool per data-parallel rank; OEA refuses DP > 1, so one)
+      One bool per data-parallel replica (--dp-size N: [true, true]). SGLang's DP controller sends
+      the request to every replica, and each checks it on its own: against the same startup
+      flags and the same settings, since every earlier request reached every replica in the same
+      order. So all replicas accept it or all refuse it ([true, true] or [false, false]).
     GET /server_info -> internal_states[i]["oea"] = {"k0", "min_batch", "max_batch" (in force),
                         "pending" (requested, not yet reached a pass), "envelope" (the startup gate),
                         "verify" (--oea-verify), "kernel" (the routing path and its self-check)}
@@ -134,6 +137,8 @@ def state_of(runtime: Any) -> Dict[str, Any]:
     state["envelope"] = {"min_batch": runtime.cfg.min_batch, "max_batch": runtime.cfg.max_batch}
     state["verify"] = runtime.cfg.verify
     state["kernel"] = kernel_state(runtime)
+    if getattr(runtime, "dp_rank", None) is not None:  # replicas answer in any order: say which
+        state["dp_rank"] = runtime.dp_rank
     return state
 
 

@@ -13,6 +13,12 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_max_batch{model_name,tp_rank}   0 = no cap
     sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
     sglang:oea_rank_checks_total{model_name,tp_rank}   passed --oea-check-ranks comparisons
+With data-parallel replicas (--dp-size > 1) every series also carries dp_rank, as SGLang's own
+scheduler series do (it adds the label only where a DP controller runs): each replica is its own
+scheduler group, whose TP ranks count from 0, and in Prometheus' multiprocess mode two replicas'
+series with the same labels would merge (the "mostrecent" gauges would keep one replica's value,
+the counters would add up). Apart, each replica's series reads as on a one-replica server; the
+server's total is the sum over dp_rank of one TP rank's counters (every TP rank counts the same).
 Expert counts are averaged over the steps (decode or verify) where OEA applied between two counter
 snapshots (sglang_oea.counters): each report covers the routed passes up to the second-newest one.
 The step counters' k0 label is the k0 each step ran with (the settings can change while the server
@@ -42,10 +48,11 @@ SETTING_GAUGES = (
 class PrometheusExport:
     """The OEA metrics of one rank, and the counter values already exported."""
 
-    def __init__(self, model_name: str, rank: int, settings: LiveSettings, speculative: bool = False):
+    def __init__(self, model_name: str, rank: int, settings: LiveSettings, speculative: bool = False,
+                 dp_rank: Optional[int] = None):
         from prometheus_client import Counter, Gauge
 
-        labels = {"model_name": model_name, "tp_rank": str(rank)}
+        labels = series_labels(model_name, rank, dp_rank)
         self.labels = labels
         names = list(labels)
         self.before = Gauge("sglang:oea_active_experts_before", "Distinct experts per MoE layer per decode or verify step, router's own choice", names + ["layer"], multiprocess_mode="mostrecent")
@@ -96,6 +103,16 @@ class PrometheusExport:
         return new
 
 
+def series_labels(model_name: str, rank: int, dp_rank: Optional[int] = None) -> Dict[str, str]:
+    """The labels every OEA series of one rank carries: model_name, tp_rank, and dp_rank in a
+    data-parallel replica (SGLang's convention: only where a DP controller runs, so that a
+    one-replica server keeps its series as they were)."""
+    labels = {"model_name": model_name, "tp_rank": str(rank)}
+    if dp_rank is not None:
+        labels["dp_rank"] = str(dp_rank)
+    return labels
+
+
 def enumerate_layers(layers: Any):
     """Yield (layer_id, (steps, before_sum, after_sum)) from drained [L, 4] rows."""
     for row in layers.tolist():
@@ -116,7 +133,7 @@ def attach(runtime: OEARuntime, scheduler: Any) -> None:
     if not getattr(server_args, "enable_metrics", False):
         return
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    _export = PrometheusExport(str(name), runtime.rank, runtime.settings, runtime.speculative)
+    _export = PrometheusExport(str(name), runtime.rank, runtime.settings, runtime.speculative, runtime.dp_rank)
     follow_settings(runtime, _export)
 
 

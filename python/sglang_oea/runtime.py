@@ -29,6 +29,7 @@ OEARuntime is the façade the hooks use. Behind it:
 """
 
 import logging
+import os
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -66,6 +67,12 @@ def is_capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and graph_capture_active()
 
 
+def dump_directory(directory: str, dp_rank: Optional[int]) -> str:
+    """Where a process writes --oea-dump-router-logits: DIR, or DIR/dp<N> in data-parallel replica N
+    (each replica numbers its own TP ranks and steps from 0, so their files would collide)."""
+    return directory if dp_rank is None else os.path.join(directory, f"dp{dp_rank}")
+
+
 def _read_through(part: str, name: str, doc: str) -> property:
     """A read-only attribute of the façade that reads `name` of one of its parts."""
     return property(lambda runtime: getattr(getattr(runtime, part), name), doc=doc)
@@ -75,11 +82,13 @@ class OEARuntime:
     """OEA for one process: gate, route, count (passes, layer_router, accounting behind it)."""
 
     def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False, world_size: int = 1,
-                 agree: Optional[Callable[[bool], bool]] = None):
-        """agree: combines this rank's kernel self-check verdict with every other TP rank's
-        (routers.RouterChoice); None in a single process."""
+                 agree: Optional[Callable[[bool], bool]] = None, dp_rank: Optional[int] = None):
+        """rank, world_size: this process's place in its tensor-parallel group. agree: combines this
+        rank's kernel self-check verdict with every other TP rank's (routers.RouterChoice); None in
+        a single process. dp_rank: its data-parallel replica (--dp-size > 1), None without one."""
         self.cfg = cfg
         self.rank = rank
+        self.dp_rank = dp_rank
         self.world_size = world_size
         # Checksums only when there are ranks to compare them with.
         self.checksums = bool(cfg.check_ranks) and world_size > 1
@@ -102,7 +111,8 @@ class OEARuntime:
         self.accounts = PassAccounts(cfg)
         self.routers = RouterChoice(cfg.kernel, cfg.k0, rank, agree=agree)
         self.layer_router = LayerRouter(cfg, self.routers)
-        self.dump = RouterDump(cfg.dump_router_logits, cfg.dump_steps, rank) if cfg.dump_router_logits else None
+        dump_dir = cfg.dump_router_logits and dump_directory(cfg.dump_router_logits, dp_rank)
+        self.dump = RouterDump(dump_dir, cfg.dump_steps, rank) if dump_dir else None
         self.warned: set = set()
 
     # ------------------------------------------------------------------ the parts, read through

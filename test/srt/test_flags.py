@@ -218,9 +218,8 @@ def test_startup_check_loads_the_config_of_the_served_revision(moe_model, monkey
 
 @pytest.mark.parametrize("overrides,message", [
     ({"ep_size": 2}, "--ep-size 1 only"),
-    ({"enable_dp_attention": True}, "DP attention"),
-    ({"attn_dp_size": 2}, "DP attention"),
-    ({"dp_size": 2}, "--dp-size 1 only"),
+    ({"enable_dp_attention": True}, r"does not support DP attention yet \(--enable-dp-attention / --attn-dp-size > 1"),
+    ({"attn_dp_size": 2, "dp_size": 2}, "data-parallel replicas \\(--dp-size N without --enable-dp-attention\\) are supported"),
     ({"use_ray": True}, "--use-ray"),
     ({"moe_a2a_backend": "deepep"}, r"--moe-a2a-backend none only \(all-to-all expert dispatch is expert parallel, .*got deepep"),
     ({"moe_runner_backend": "flashinfer_trtllm"}, "--moe-runner-backend flashinfer_trtllm .* use --moe-runner-backend triton"),
@@ -233,6 +232,13 @@ def test_startup_check_loads_the_config_of_the_served_revision(moe_model, monkey
 def test_unsupported_configurations_are_refused(moe_model, overrides, message):
     with pytest.raises(ValueError, match=message):
         flags.validate_server(OEAConfig(k0=2), settings(moe_model, **overrides), lambda: {})
+
+
+@pytest.mark.parametrize("overrides", [{"dp_size": 2}, {"dp_size": 2, "nnodes": 2, "node_rank": 1, "tp_size": 4}])
+def test_data_parallel_replicas_and_nodes_are_accepted(moe_model, overrides):
+    """Each DP replica routes its own batch; TP across nodes is TP (docs/scale-out.md)."""
+    shape = flags.validate_server(OEAConfig(k0=2), settings(moe_model, **overrides), lambda: json.load(open(f"{moe_model}/config.json")))
+    assert shape.top_k == 4
 
 
 def test_model_without_routed_experts_is_refused(dense_model):
@@ -466,6 +472,7 @@ def test_launch_server_help_lists_the_oea_group():
 
 @pytest.mark.parametrize("extra,message", [
     (["--oea-k0", "-1"], "argument --oea-k0: --oea-k0 must be an integer from 0 to 64, got -1"),
+    (["--oea-k0", "2", "--oea-min-batch", "65537"], "--oea-min-batch must be an integer from 1 to 65536, got 65537"),
     (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
     (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
     (["--oea-k0", "3", "--oea-kernel", "triton"], "sglang-oea: error: --oea-kernel triton needs a CUDA device"),

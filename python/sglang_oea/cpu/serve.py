@@ -19,12 +19,16 @@ are satisfied. This sets that up and then hands over to `sglang serve` in a fres
 - the stand-in `sgl_kernel` (sglang_oea/cpu/stub) first on PYTHONPATH, so every process,
   spawned schedulers included, imports it instead of the CUDA wheel. Any stand-in op without a
   CPU body that is called logs an error and raises;
-- with --tp N > 1: SGLANG_CPU_OMP_THREADS_BIND (unless set) gives each rank its own share of
-  the cores, since SGLang otherwise wants one NUMA node per rank; the `oea_cpu_harness` plugin
-  (cpu/harness.py) keeps NCCL out of the CPU process groups;
-  SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (unless set) turns SGLang's "memory capacity is
-  unbalanced" start-up error into its warning: the ranks share one RAM, so two readings of it a
-  moment apart differ only when another process frees memory in between;
+- with more than one rank (--tp N x --dp-size M; with --nnodes K, each node starts N x M / K
+  of them): SGLANG_CPU_OMP_THREADS_BIND (unless set) gives each rank of this node its own share
+  of the cores, since SGLang otherwise wants one NUMA node per rank; it picks a rank's share by
+  the rank's device index on its node (TP ranks first, then one block of them per data-parallel
+  replica). SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (unless set) turns SGLang's "memory
+  capacity is unbalanced" start-up error into its warning: the ranks share one RAM (the tests
+  run both "nodes" of --nnodes 2 on one machine too), so two readings of it a moment apart
+  differ only when another process frees memory in between. With --tp > 1 (on one node or
+  across nodes), the `oea_cpu_harness` plugin (cpu/harness.py) keeps NCCL out of the CPU
+  process groups;
 - with --speculative-algorithm NGRAM: the stand-in's plain-torch speculative ops
   (cpu/stub/sgl_kernel/cpu_bodies.py) and the harness plugin's verify attention run it; with
   --speculative-algorithm EAGLE (an MTP draft from the same checkpoint), also the EAGLE ops
@@ -34,7 +38,7 @@ A default is added only when the caller did not give that flag.
 
 import os
 import sys
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
 CPU_DEFAULTS = (
@@ -100,11 +104,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     command = serve_command(argv)
     env = cpu_environment()
-    ranks = int(flag_value(argv, "--tp", flag_value(argv, "--tp-size", "1")))
+    ranks, local = scheduler_ranks(argv)
     if ranks > 1:
-        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(ranks, os.cpu_count() or 1))
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(local, os.cpu_count() or 1))
         env.setdefault("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "0")
     os.execve(sys.executable, command, env)
+
+
+def scheduler_ranks(argv: Sequence[str]) -> Tuple[int, int]:
+    """(all scheduler ranks, those this launcher starts on its node): --tp x --dp-size, split
+    evenly over --nnodes. SGLang wants a thread binding once there is more than one rank in all,
+    even with one rank per node (it compares the world size with this machine's NUMA nodes)."""
+    def size(*names: str) -> int:
+        values = [flag_value(argv, name, "") for name in names]
+        return int(next((value for value in values if value), "1"))
+
+    ranks = size("--tp", "--tp-size", "--tensor-parallel-size") * size("--dp-size", "--data-parallel-size")
+    return ranks, max(1, ranks // max(1, size("--nnodes")))
 
 
 if __name__ == "__main__":
