@@ -295,6 +295,7 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     shape = read_moe_shape(scheduler.model_config.hf_config)
     model = shape.describe() if shape else "no routed experts"
     runtime.verify_widths = startup_checks.resolved_verify_widths(scheduler.server_args) if cfg.verify else ()
+    runtime.moe_shape = shape
     logger.info("sglang-oea rank %d: OEA %s, %s; model %s; %s%s", runtime.rank, startup_state(cfg.k0, shape), cfg.describe(), model,
                 runtime.routers.describe(), speculative_note(cfg, scheduler.server_args.speculative_algorithm,
                                                              runtime.verify_widths))

@@ -12,7 +12,8 @@
       order. So all replicas accept it or all refuse it ([true, true] or [false, false]).
     GET /server_info -> internal_states[i]["oea"] = {"k0", "min_batch", "max_batch" (in force),
                         "pending" (requested, not yet reached a pass), "envelope" (the startup gate),
-                        "verify" (--oea-verify), "kernel" (the routing path and its self-check)}
+                        "verify" (--oea-verify), "kernel" (the routing path and its self-check),
+                        "model" (routed experts, top-k), "dp_rank" (with --dp-size > 1)}
 
 The rules are the flags' own (sglang_oea.config), checked on the settings the whole request
 would leave in force (the settings requested last, with the request's keys merged in):
@@ -139,6 +140,9 @@ def state_of(runtime: Any) -> Dict[str, Any]:
     state["kernel"] = kernel_state(runtime)
     if getattr(runtime, "dp_rank", None) is not None:  # replicas answer in any order: say which
         state["dp_rank"] = runtime.dp_rank
+    shape = getattr(runtime, "moe_shape", None)
+    if shape is not None:  # what a client needs to choose k0 without the model's files
+        state["model"] = {"num_experts": shape.num_experts, "top_k": shape.top_k}
     return state
 
 

@@ -98,6 +98,7 @@ class OEARuntime:
         # () without speculative decoding or with --oea-verify off): the live cap is checked
         # against them (passes.verify_cap_problem).
         self.verify_widths: Tuple[int, ...] = ()
+        self.moe_shape: Optional[Any] = None  # the model's model_info.MoEShape, set at scheduler start
         self._settings = cfg.live()  # those of the last outermost pass begun
         self._pending: Optional[LiveSettings] = None  # requested, not yet applied
         self._pending_lock = threading.Lock()

@@ -218,7 +218,7 @@ MODEL = TRAINED["qwen3_moe_trained"]
 SERVER_FLAGS = (*FP32, "--oea-k0", "0", "--oea-min-batch", "1", "--oea-max-batch", "32", "--enable-metrics",
                 "--decode-log-interval", "1", "--admin-api-key", ADMIN_KEY)
 APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
-ARMED = {"k0": 0, "min_batch": 1, "max_batch": 32, "verify": True}
+ARMED = {"k0": 0, "min_batch": 1, "max_batch": 32, "verify": True, "model": {"num_experts": 128, "top_k": TOP_K}}
 
 
 @pytest.fixture(scope="module")

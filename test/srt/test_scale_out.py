@@ -120,7 +120,8 @@ def prefixed(log, tag, pattern):
 @pytest.mark.server
 def test_data_parallel_replicas(tmp_path_factory, reference):
     with serve(tmp_path_factory, MODEL, *OEA_FLAGS, "--dp-size", "2") as (base, log):
-        armed = {"k0": 0, "min_batch": 1, "max_batch": 0, "envelope": {"min_batch": 1, "max_batch": 0}, "verify": True}
+        armed = {"k0": 0, "min_batch": 1, "max_batch": 0, "envelope": {"min_batch": 1, "max_batch": 0}, "verify": True,
+                 "model": {"num_experts": 128, "top_k": TOP_K}}
         assert oea_states(base) == [armed, armed], "one OEA state per replica"
         assert greedy_ids(base, reference["prompts"], TOKENS) == reference["ids"], "armed and off: plain SGLang"
         set_live(base, {"oea_k0": TOP_K}, [True, True])

@@ -54,7 +54,6 @@ Everything after `--` (and --server-args "...") goes to every server unchanged.
 import argparse
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -69,10 +68,10 @@ from serving.bench_client import BENCH_MODULE  # noqa: E402
 from serving.live_settings import LiveSettingsError, arm_settings  # noqa: E402
 from serving.one_server import run_one_server  # noqa: E402
 from serving.prompt_files import RANDOM_IDS, check_prompt_file  # noqa: E402
-from serving.servers import RECORDED_ENV, child_env, free_port, log  # noqa: E402
+from serving.servers import RECORDED_ENV, child_env, free_port, log, terminate_as_interrupt  # noqa: E402
 from serving.sweep import Arm, run_arms, write_report  # noqa: E402
 
-GPU_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+GPU_CONCURRENCIES = [16, 32, 64]  # where a GLM-5-class server batches decode; the trial's default too
 CPU_CONCURRENCIES = [1, 4, 16, 32, 64]
 SMOKE_CONCURRENCIES = [1, 2]
 
@@ -392,22 +391,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if summary.concurrencies else 1
 
     apply_defaults(args)
-
-    def _terminate(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        failures = run(args, server_args)
+        with terminate_as_interrupt():
+            failures = run(args, server_args)
     except KeyboardInterrupt:
         log("interrupted; servers stopped, partial results kept")
         return 130
     except LiveSettingsError as e:
         log(f"stopped: {e}")
         return 2
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if args.smoke:
         summary = report.summarize(report.load_jsonl(os.path.join(args.out_dir, "results.jsonl")))
         try:

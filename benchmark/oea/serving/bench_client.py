@@ -59,18 +59,22 @@ class DriverTimeout(RuntimeError):
 
 
 class BenchDriver:
-    """One `_bench_driver.py` process: imports bench_serving once, then runs it once per request.
+    """One `_bench_driver.py` process: imports bench_serving once, then runs it once per request
+    (or another command-line module: `entry` is the function its console script calls, e.g.
+    lm_eval.__main__'s cli_evaluate).
 
     It lives in its own session; `close` (or a timed-out run) kills its whole process group.
     """
 
-    def __init__(self, module: str, log_path: str, env: Dict[str, str], start_timeout_s: float):
+    def __init__(self, module: str, log_path: str, env: Dict[str, str], start_timeout_s: float,
+                 entry: str = "cli_main"):
         self.log_path = log_path
         self._log = open(log_path, "a")
         self._buf = b""
         self._start_timeout_s = start_timeout_s
-        self.proc = subprocess.Popen([sys.executable, DRIVER, "--module", module], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, env=env, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, DRIVER, "--module", module, "--entry", entry],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                     start_new_session=True)
         self.ready: Optional[dict] = None
 
     def alive(self) -> bool:

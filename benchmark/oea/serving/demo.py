@@ -53,7 +53,7 @@ from serving import ab_serving  # noqa: E402
 from serving.demo_cost import cost_section  # noqa: E402
 from serving.oea_metrics import run_experts  # noqa: E402
 from serving.prompt_files import write_prompt_file  # noqa: E402
-from serving.servers import free_port  # noqa: E402
+from serving.servers import free_port, terminate_as_interrupt  # noqa: E402
 
 TRAINED_MODEL = os.path.join(BENCH, "models", "qwen3_moe_stdlib")
 LABEL = "CPU, tiny model, not GPU/GLM-5"  # on every title, table and plot the demo writes
@@ -333,4 +333,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with terminate_as_interrupt():  # SIGTERM stops the server and the cost subprocesses, as Ctrl-C does
+        sys.exit(main())

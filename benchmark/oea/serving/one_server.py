@@ -140,14 +140,7 @@ class LiveSweep:
 
     def run(self) -> int:
         """Start-up warm-up, then every planned run. Returns the number of failed runs."""
-        log(f"one server at {self.base_url}: OEA settings now {self.original}, decode-log interval {self.interval}")
-        if scrape_oea_metrics(self.base_url) is None:
-            log("WARNING: the server has no /metrics (start it with --enable-metrics): T will not be recorded")
-        self.client.ensure_ready()
-        self.switch(self.arms[0])
-        if self.args.warmup_prompts > 0:
-            warm_up(self.arms[0], self.base_url, self.args, self.client, self.runs_dir)
-            self.passed = True
+        self.start()
         plan = plan_runs(self.arms, self.args.concurrency, self.args.repeats)
         failures = 0
         for i, (block, conc, rep, arm) in enumerate(plan):
@@ -157,6 +150,17 @@ class LiveSweep:
                     log("the server died; skipping the remaining runs")
                     break
         return failures
+
+    def start(self) -> None:
+        """Before the first run: the bench client ready, the first arm set, the start-up warm-up."""
+        log(f"one server at {self.base_url}: OEA settings now {self.original}, decode-log interval {self.interval}")
+        if scrape_oea_metrics(self.base_url) is None:
+            log("WARNING: the server has no /metrics (start it with --enable-metrics): T will not be recorded")
+        self.client.ensure_ready()
+        self.switch(self.arms[0])
+        if self.args.warmup_prompts > 0:
+            warm_up(self.arms[0], self.base_url, self.args, self.client, self.runs_dir)
+            self.passed = True
 
     def measure(self, arm: Arm, conc: int, rep: int, block: int, progress: str) -> bool:
         """Switch to arm (and warm up) when needed, confirm its settings, then one recorded run.

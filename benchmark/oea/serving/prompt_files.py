@@ -54,7 +54,7 @@ def load_prompt_file(path: str) -> List[str]:
     return prompts
 
 
-def _token_counts(tokenizer: str, prompts: Sequence[str]) -> Optional[List[int]]:
+def token_counts(tokenizer: str, prompts: Sequence[str]) -> Optional[List[int]]:
     """Tokens per prompt as bench_serving counts them (the tokenizer's encode): [n] int, or None
     when transformers cannot load the tokenizer."""
     try:
@@ -81,7 +81,7 @@ def check_prompt_file(args) -> str:
     if len(prompts) < needed:
         raise SystemExit(f"--prompt-file {path}: {len(prompts)} prompts, but a run of this sweep sends {needed} "
                          "(lower --concurrency/--prompts-per-concurrency/--num-prompts or give more prompts)")
-    counts = _token_counts(args.tokenizer, prompts)
+    counts = token_counts(args.tokenizer, prompts)
     short = [i for i, n in enumerate(counts or []) if n < args.input_len]
     if short:
         raise SystemExit(f"--prompt-file {path}: {len(short)} prompt(s) (entry {short[0]} first, "

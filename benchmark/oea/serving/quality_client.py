@@ -80,11 +80,28 @@ def spec_figures(answer: Dict, base_url: str) -> Dict:
     return {"accept_length": details["spec_accept_length"], "verify_steps": details["spec_verify_ct"]}
 
 
+def k0_in_force(base_url: str) -> Optional[int]:
+    """The k0 the server routes its next passes with (a pending change, else the one in force), from
+    /server_info's first scheduler; None for a server without OEA's live state (no plugin, or a
+    plain baseline server): its steps then carry no k0 label to tell apart."""
+    body = fetch_text(base_url + "/server_info")
+    try:
+        states = json.loads(body)["internal_states"] if body else None
+        state = states[0]["oea"]
+        return int((state.get("pending") or state)["k0"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def run_arm(name: str, base_url: str, items: Sequence[Item], opts: argparse.Namespace) -> Dict:
-    """All prompts through one server, `opts.concurrency` in flight, in order; the arm record."""
+    """All prompts through one server, `opts.concurrency` in flight, in order; the arm record.
+
+    Its "oea_steps" counts only the decode steps labelled with the k0 in force when the arm starts
+    (oea_metrics: an earlier arm's late steps are not this arm's)."""
     base_url = base_url.rstrip("/")
     model = opts.model or served_model(base_url)
     flushed = flush_cache(base_url)
+    k0 = k0_in_force(base_url)
     metrics_before = fetch_text(base_url + "/metrics")
     start = time.time()
     print(f"[quality] arm {name}: {len(items)} prompts at concurrency {opts.concurrency} -> {base_url}", flush=True)
@@ -94,4 +111,4 @@ def run_arm(name: str, base_url: str, items: Sequence[Item], opts: argparse.Name
     return {"name": name, "url": base_url, "model": model, "concurrency": opts.concurrency,
             "max_tokens": opts.max_tokens, "ignore_eos": opts.ignore_eos, "prompts_sha256": prompts_digest(items),
             "cache_flushed": flushed, "elapsed_s": elapsed, "outputs": outputs,
-            "oea_steps": applied_share(metrics_before, fetch_text(base_url + "/metrics"))}
+            "oea_steps": applied_share(metrics_before, fetch_text(base_url + "/metrics"), k0)}

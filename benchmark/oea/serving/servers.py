@@ -4,6 +4,11 @@ process group.
 Standard library only. A server runs in its own session (process group), so that `Server.stop`
 also ends the scheduler and detokenizer processes it forks; `cpu_server` picks a free port and
 retries when another process takes that port before the server binds it.
+
+Every script that starts servers runs its main under `terminate_as_interrupt()`: SIGTERM and
+SIGHUP then unwind the stack like Ctrl-C, so the `with` blocks and `finally` clauses that stop
+servers (and put a server's settings back) run. Without it, SIGTERM ends Python at once and the
+server's process group is left running.
 """
 
 import importlib.util
@@ -18,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import threading
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -214,3 +220,35 @@ def child_env() -> Dict[str, str]:
             p for p in (os.path.join(_REPO, "python"), env.get("PYTHONPATH")) if p)
     return env
 
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread was, so that the stack unwinds as on Ctrl-C."""
+
+
+@contextmanager
+def terminate_as_interrupt(signals: Sequence[int] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)) -> Iterator[None]:
+    """Within: the first of `signals` raises Terminated (KeyboardInterrupt for SIGINT) in the main
+    thread; any later one is logged and ignored, so that the clean-up it set off (stopping process
+    groups, putting settings back) is not cut short. SIGKILL still ends everything at once. The
+    previous handlers come back on exit. Outside the main thread it does nothing (Python allows
+    signal handlers there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = []
+
+    def handler(signum, _frame):
+        if fired:
+            log(f"signal {signum} again: still stopping what was started (SIGKILL ends at once, leaving it)")
+            return
+        fired.append(signum)
+        log(f"signal {signum}: stopping; every server and client started is stopped, settings put back")
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

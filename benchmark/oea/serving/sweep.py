@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 from common import report
 from serving.bench_client import BenchClient
-from serving.oea_metrics import counter_deltas, scrape_oea_metrics
+from serving.oea_metrics import counter_deltas, scrape_oea_metrics, steps_share
 from serving.prompt_files import num_prompts_for
 from serving.servers import Server, child_env, http_get, launcher_command, log, log_tail, port_in_use, wait_ready
 
@@ -146,8 +146,10 @@ def measure_run(arm: Arm, base_url: str, args, client: BenchClient, server: Opti
                 stem: str, jsonl_path: str, progress: str, extra: Optional[dict] = None) -> bool:
     """One bench_serving run at concurrency conc, repeat rep (seed --seed + rep), its output in
     stem.jsonl / stem.log; appends its record (an `error` one on failure), with `extra`'s fields
-    added. True when it measured. The OEA counters are scraped right before and after the run, so
-    oea_metrics_delta covers this run only (to within the server's decode-log interval)."""
+    added. True when it measured. The OEA counters are scraped right before and after the run:
+    oea_metrics_delta holds every counter's growth over the run, and oea_steps the share of decode
+    steps OEA applied, counting only the steps labelled with the arm's own k0 (an earlier arm's
+    steps that reach /metrics during this run are not this run's; oea_metrics)."""
     record = {**new_record(arm, base_url, args, conc, rep), **(extra or {})}
     before = scrape_oea_metrics(base_url)
     t0 = time.time()
@@ -172,12 +174,23 @@ def measure_run(arm: Arm, base_url: str, args, client: BenchClient, server: Opti
         record["oea_metrics"] = after
         if before is not None:
             record["oea_metrics_delta"] = counter_deltas(before, after)
+            record["oea_steps"] = steps_share(before, after, arm.live["oea_k0"] if arm.live else arm.k0)
+            warn_if_gated_off(arm, conc, record["oea_steps"])
     _append(jsonl_path, record)
     log(f"{arm.name:>10}  C={conc:<5} rep {rep + 1}/{args.repeats}  seed {record['seed']}  "
         f"{result.get('output_throughput', float('nan')):9.1f} tok/s  "
         f"TPOT {result.get('median_tpot_ms') or float('nan'):8.2f} ms  "
         f"({record['wall_s']:.0f}s)  {progress}")
     return True
+
+
+def warn_if_gated_off(arm: Arm, conc: int, steps: Optional[dict]) -> None:
+    """Say so when an OEA run applied OEA in none of its decode steps: its ratio then reads about
+    1.0x for a reason that is not OEA's effect (most often the batch gate)."""
+    if arm.k0 and steps and steps["decode_steps"] and not steps["applied_steps"]:
+        log(f"WARNING: {arm.name} at C={conc}: OEA applied in none of the run's {steps['decode_steps']:.0f} decode "
+            f"steps ({', '.join(f'{r} {n:.0f}' for r, n in steps['skipped_steps'].items() if n)}). "
+            "--oea-max-batch counts token rows: requests x draft tokens under speculative decoding")
 
 
 def _append(path: str, record: dict) -> None:

@@ -45,7 +45,7 @@ from serving.quality_inputs import Item, load_prompts  # noqa: E402
 from serving.quality_report import write_json  # noqa: E402
 from serving.quality_scoring import (AGREEMENT_DEFINITION, BOOTSTRAP_RESAMPLES, REFERENCE_DEFINITION,  # noqa: E402
                                      build_report, compare_outputs, reference_matches)
-from serving.servers import RECORDED_ENV, child_env, cpu_server  # noqa: E402
+from serving.servers import RECORDED_ENV, child_env, cpu_server, terminate_as_interrupt  # noqa: E402
 
 MODELS_DIR = os.path.join(BENCH, "models")
 DEFAULT_MODELS = ("qwen3_moe_stdlib", "glm4_moe_stdlib", "deepseek_v3_stdlib")
@@ -450,4 +450,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with terminate_as_interrupt():  # SIGTERM stops the servers started, as Ctrl-C does
+        sys.exit(main())

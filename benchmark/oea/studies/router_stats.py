@@ -37,7 +37,7 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)  # its folders import as packages
 
 from common import heldout  # noqa: E402
-from serving.servers import child_env, cpu_server  # noqa: E402
+from serving.servers import child_env, cpu_server, terminate_as_interrupt  # noqa: E402
 from studies import simulate  # noqa: E402
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -264,4 +264,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with terminate_as_interrupt():  # SIGTERM stops the servers started, as Ctrl-C does
+        sys.exit(main())

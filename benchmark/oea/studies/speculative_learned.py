@@ -43,7 +43,7 @@ from serving import live_settings, quality_client  # noqa: E402
 from serving.quality_inputs import Item  # noqa: E402
 from serving.quality_report import write_json  # noqa: E402
 from serving.quality_scoring import BOOTSTRAP_RESAMPLES, reference_matches  # noqa: E402
-from serving.servers import child_env, cpu_server  # noqa: E402
+from serving.servers import child_env, cpu_server, terminate_as_interrupt  # noqa: E402
 from studies.quality_learned import (MODELS_DIR, delta, experts_cell, experts_from_log, read_from,  # noqa: E402
                                      write_command, write_prompts)
 
@@ -267,4 +267,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with terminate_as_interrupt():  # SIGTERM stops the servers started, as Ctrl-C does
+        sys.exit(main())

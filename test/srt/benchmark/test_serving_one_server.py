@@ -256,8 +256,10 @@ def test_quality_ab_compares_off_and_on_on_one_server(running_server, tmp_path):
     ev = serving_fakes.read_events(events)
     steps = [("completion", e["k0"]) if e["event"] == "completion" else sequence([e])[0]
              for e in ev if e["event"] in ("post", "info", "completion")]
-    assert steps == [INFO, post(0), INFO, *[("completion", 0)] * 3, INFO, post(4), INFO, *[("completion", 4)] * 3,
-                     INFO, post(0), INFO, *[("completion", 0)] * 3, INFO, post(2), INFO]  # accepted, in force after
+    # each arm: the POST, accepted (INFO), the k0 its steps are labelled with (INFO), the completions,
+    # in force after (INFO); the server's own k0 2 put back at the end
+    assert steps == [INFO, post(0), INFO, INFO, *[("completion", 0)] * 3, INFO, post(4), INFO, INFO,
+                     *[("completion", 4)] * 3, INFO, post(0), INFO, INFO, *[("completion", 0)] * 3, INFO, post(2), INFO]
     report_ = json.loads((out / "quality.json").read_text())
     assert report_["agreement"]["token_agreement"] == 0.0  # every OEA token is 4, every baseline token 0
     assert report_["noise_floor"]["token_agreement"] == 1.0
