@@ -10,7 +10,7 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 from sglang_oea.config import (
-    DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, MAX_BATCH, MAX_K0, MAX_ROWS_PER_REQUEST, SWITCH_CHOICES,
+    DEFAULT_MIN_BATCH, ENGINE_KEYWORDS, KERNEL_CHOICES, MAX_BATCH, MAX_K0, SWITCH_CHOICES,
     OEAConfig, build_config, parse_int_flag,
 )
 from sglang_oea.model_info import SUPPORTED_FAMILIES, MoEShape, read_moe_shape
