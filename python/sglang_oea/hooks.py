@@ -331,7 +331,9 @@ def speculative_note(cfg: OEAConfig, algorithm: Any, widths: Tuple[int, ...] = (
     if widths and cfg.max_batch:
         admitted = ", ".join(f"{cfg.max_batch // w} requests of {w} draft tokens" for w in widths)
         note += f", at most {admitted} under the cap"
-        note += "".join(f"; {warning}" for warning in [verify_cap_problem(cfg.min_batch, cfg.max_batch, widths)[1]] if warning)
+        warning = verify_cap_problem(cfg.min_batch, cfg.max_batch, widths)[1]
+        if warning:
+            note += f"; {warning}"
     return note
 
 
