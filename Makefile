@@ -16,12 +16,13 @@ $(STAMP): python/pyproject.toml
 	$(VPY) -m pip install --quiet -e "python[test]"
 	touch $(STAMP)
 
-# Everything, the real-server end-to-end tests included (about 45 minutes on 2 cores after setup). The tests
+# Everything, the real-server end-to-end tests included (40-45 minutes on 2 cores after setup). The tests
 # without a server run in two workers, a file per worker (most of their time is Triton's
 # interpreter and SGLang imports in child processes); then the server tests, one server at a time.
+# Each phase ends with its 25 slowest test phases (--durations), to show where the time goes.
 test: install
-	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m "not server" -n 2 --dist loadfile
-	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m server
+	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m "not server" -n 2 --dist loadfile --durations=25
+	$(VPY) -m pytest test/srt -q -p no:cacheprovider -m server --durations=25
 
 # Without starting servers (a few minutes).
 test-fast: install

@@ -37,6 +37,9 @@ class PassAccounts:
         self.captured_top_k: Dict[Tuple[str, int, int], int] = {}
         self.applied_by_k0: Counter = Counter()  # (pass mode, k0) -> steps whose ids OEA rewrote
         self.skipped_by_k0: Counter = Counter()  # (pass mode, k0, reason) -> steps without OEA
+        # k0 -> real token rows of the decode and verify steps counted with it (applied or
+        # skipped): the tokens the lost router mass is averaged over (sglang_oea.metrics).
+        self.tokens_by_k0: Counter = Counter()
         self.warned_no_ids = False
 
     @property
@@ -85,12 +88,15 @@ class PassAccounts:
         reason = skip_reason(step.settings, self.cfg.verify, step.mode, step.requests, step.num_rows)
         if reason is None:
             reason = self.replay_outcome(step) if step.tally.replayed_bucket is not None else step.tally.outcome()
-        self.count(step.mode, reason, step.settings.k0)
+        self.count(step.mode, reason, step.settings.k0, step.num_rows)
         return True
 
-    def count(self, mode: str, reason: Optional[str], k0: int) -> None:
-        """One serving pass of `mode`, routed with `k0`: applied (reason None) or skipped with `reason`."""
-        self.routed_steps += int(mode in ROUTED_MODES)
+    def count(self, mode: str, reason: Optional[str], k0: int, rows: int = 0) -> None:
+        """One serving pass of `mode` with `rows` real token rows, routed with `k0`: applied (reason
+        None) or skipped with `reason`."""
+        if mode in ROUTED_MODES:
+            self.routed_steps += 1
+            self.tokens_by_k0[k0] += rows
         if reason is None:
             self.applied_by_k0[(mode, k0)] += 1
             return

@@ -5,8 +5,8 @@ LayerRouting: the RouterSpec, the routed columns, or why OEA does not handle it.
 runs the router that routers.RouterChoice picked for the layer's routing shape, with the row count
 and the settings it reads (for graph passes and the kernel: the device row scalar and the device
 control block, so that a captured graph follows live settings; for the eager torch path: host
-ints), and counts the layer's distinct experts and folds its rank-check checksum where the router
-did not. DeviceState holds the per-process device tensors this needs.
+ints), and counts the layer's distinct experts and lost router mass and folds its rank-check
+checksum where the router did not. DeviceState holds the per-process device tensors this needs.
 """
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ import torch
 from sglang_oea.config import LiveSettings, OEAConfig
 from sglang_oea.counters import LayerCounters, SnapshotRing
 from sglang_oea.passes import StepInfo, row_bounds
-from sglang_oea.reference import distinct_experts, ids_checksum
+from sglang_oea.reference import distinct_experts, ids_checksum, lost_router_mass_units
 from sglang_oea.routers import CAPTURE, EAGER, WARMUP, RouterChoice
 from sglang_oea.routing import RouterSpec, control_gate
 
@@ -134,19 +134,27 @@ class LayerRouter:
         if counters is not None:
             counters.note_layer(layer)
         stats_row = counters.stats_row(layer) if state.stats else None
+        lost = counters.lost_row(layer) if state.stats else None
         checksum = counters.checksum_slot(layer) if state.checksums else None
         phase = CAPTURE if capturing else WARMUP if graph else EAGER
         per_request = step.rows_per_request
         new_ids, new_weights, counted = router(info.slot, logits, ids, weights, info.spec, step.settings.k0,
                                                info.num_routed, rows, lo, hi, phase, stats_row, checksum,
-                                               control=control, rows_per_request=per_request)
+                                               control=control, rows_per_request=per_request, lost=lost)
         if counted:
             return new_ids, new_weights
-        k = info.num_routed
+        k, num_experts = info.num_routed, logits.shape[1]
         if state.stats:
+            # Routed columns only; no slicing ops where there are no shared-expert columns.
+            own, new = (ids, weights), (new_ids, new_weights)
+            if k < ids.shape[1]:
+                own, new = (ids[:, :k], weights[:, :k]), (new_ids[:, :k], new_weights[:, :k])
             gate = 1 if control is None else control_gate(rows, control, k, per_request)
-            before = distinct_experts(ids[:, :k], logits.shape[1], rows)
-            counters.add_stats(layer, before, distinct_experts(new_ids[:, :k], logits.shape[1], rows), gate)
+            before = distinct_experts(own[0], num_experts, rows)
+            counters.add_stats(layer, before, distinct_experts(new[0], num_experts, rows), gate)
+            units = lost_router_mass_units(*own, *new, num_experts, rows)
+            counters.add_lost(layer, step.settings.k0 if control is None else control[0],
+                              units if control is None else units * gate)
         if state.checksums:
             checksum.add_(ids_checksum(new_ids[:, :k], rows))
         return new_ids, new_weights

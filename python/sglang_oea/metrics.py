@@ -6,6 +6,10 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_active_experts_before{model_name,tp_rank,layer}  distinct experts/step, router's own
     sglang:oea_active_experts_after{model_name,tp_rank,layer}   distinct experts/step, after OEA
     sglang:oea_active_experts_ratio{model_name,tp_rank}         after / before, all layers
+    sglang:oea_kept_router_mass{model_name,tp_rank,mode,k0}      kept router mass per routed token, all layers
+    sglang:oea_layer_kept_router_mass{model_name,tp_rank,layer,mode,k0}   the same, per MoE layer
+    sglang:oea_router_mass_lost_total{model_name,tp_rank,mode,k0}        lost router mass, token-layers summed
+    sglang:oea_routed_token_layers_total{model_name,tp_rank,mode,k0}     routed tokens x MoE layers counted
     sglang:oea_decode_steps_applied_total{model_name,tp_rank,mode,k0}          mode: decode or verify
     sglang:oea_decode_steps_skipped_total{model_name,tp_rank,mode,reason,k0}   mode: decode, verify or other
     sglang:oea_k0{model_name,tp_rank}          the live settings in force (sglang_oea.live_settings)
@@ -26,13 +30,22 @@ runs). The counters reach /metrics only at decode-log steps, so steps that ran j
 can appear after it: they are told apart by that label, never by when they appear. The settings
 gauges are set when a change is accepted (every pass from the next one on routes with it) and at
 each report.
+
+Kept router mass (reference.lost_router_mass): per routed token and MoE layer, the share of the
+token's own routed weight whose experts OEA kept, 1.0 where OEA changed nothing. Every real token
+of every decode or verify step counts, applied or skipped; the device sums the lost share per
+layer in the column of the k0 the step ran with (sglang_oea.counters), and the host counts the
+tokens per k0 in the same snapshots, so both labels are exact across live changes. The gauges
+give the last report interval's mean; 1 - rate(lost) / rate(token_layers) gives any window's.
 """
 
 import logging
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
 
-from sglang_oea.config import LiveSettings
-from sglang_oea.counters import Snapshot, stats_between
+from sglang_oea.config import MAX_K0, LiveSettings
+from sglang_oea.counters import Snapshot, lost_between, stats_between
+from sglang_oea.reference import MASS_ONE
 from sglang_oea.runtime import DECODE, ROUTED_MODES, VERIFY, OEARuntime
 
 logger = logging.getLogger("sglang_oea")
@@ -43,6 +56,54 @@ SETTING_GAUGES = (
     ("min_batch", "The batch gate's floor in force, in requests"),
     ("max_batch", "The batch gate's cap in force, in routed token rows (0 = no cap)"),
 )
+
+
+@dataclass
+class KeptMass:
+    """One report interval's kept router mass at one k0.
+
+    tokens: real token rows of the decode or verify steps that ran with k0 (applied or skipped).
+    lost: MoE layer id -> the lost router mass of those tokens, in units (MASS_ONE = one token).
+    """
+
+    k0: int
+    tokens: int
+    lost: Dict[int, int]
+
+    @property
+    def token_layers(self) -> int:
+        return self.tokens * len(self.lost)
+
+    @property
+    def lost_mass(self) -> float:
+        """Lost router mass summed over the tokens and layers (in tokens)."""
+        return sum(self.lost.values()) / MASS_ONE
+
+    @property
+    def kept(self) -> float:
+        """Mean kept router mass per routed token and layer (exactly 1.0 when nothing was lost)."""
+        return 1.0 - self.lost_mass / self.token_layers
+
+    def layer_kept(self, layer: int) -> float:
+        return 1.0 - self.lost[layer] / (MASS_ONE * self.tokens)
+
+
+def kept_mass_between(newer: Optional[Snapshot], older: Optional[Snapshot], layers: Sequence[int]) -> List[KeptMass]:
+    """The kept router mass of the steps between two snapshots (older None = since the start), per
+    k0 that counted tokens there. layers: the MoE layers OEA routes (runtime.moe_layers)."""
+    if newer is None or newer.host is None or not layers:
+        return []
+    counted_before = older.host if older is not None and older.host is not None else {}
+    lost = lost_between(newer, older)
+    parts = []
+    for k0, count in sorted(newer.host.items()):
+        tokens = count - counted_before.get(k0, 0)
+        if tokens <= 0:
+            continue
+        # k0 = MAX_K0 has no column: it covers every top-k, so the gate never opened with it.
+        per_layer = {layer: int(lost[layer, k0]) if k0 < MAX_K0 and layer < lost.shape[0] else 0 for layer in layers}
+        parts.append(KeptMass(k0, tokens, per_layer))
+    return parts
 
 
 class PrometheusExport:
@@ -64,7 +125,20 @@ class PrometheusExport:
                                "in force", names + ["mode", "reason", "k0"])
         # The routed mode this server runs is exported from the start, at 0 (the target model
         # decodes in verify passes under speculative decoding).
-        self.applied.labels(**labels, mode=VERIFY if speculative else DECODE, k0=str(settings.k0))
+        mode = VERIFY if speculative else DECODE
+        self.applied.labels(**labels, mode=mode, k0=str(settings.k0))
+        self.kept = Gauge("sglang:oea_kept_router_mass", "Kept router mass per routed token, all MoE layers, last "
+                          "report interval (1 = OEA kept the router's own experts)", names + ["mode", "k0"],
+                          multiprocess_mode="mostrecent")
+        self.layer_kept = Gauge("sglang:oea_layer_kept_router_mass", "Kept router mass per routed token in one MoE "
+                                "layer, last report interval", names + ["layer", "mode", "k0"],
+                                multiprocess_mode="mostrecent")
+        self.lost = Counter("sglang:oea_router_mass_lost", "Router mass OEA dropped, summed over routed tokens and "
+                            "MoE layers, by the k0 the steps ran with", names + ["mode", "k0"])
+        self.token_layers = Counter("sglang:oea_routed_token_layers", "Routed tokens x MoE layers counted for the "
+                                    "kept router mass, by the k0 the steps ran with", names + ["mode", "k0"])
+        for counter in (self.lost, self.token_layers):
+            counter.labels(**labels, mode=mode, k0=str(settings.k0))
         self.settings = {field: Gauge(f"sglang:oea_{field}", doc, names, multiprocess_mode="mostrecent")
                          for field, doc in SETTING_GAUGES}
         self.publish_settings(settings)
@@ -74,7 +148,8 @@ class PrometheusExport:
         self.exported_checks = 0
         self.exported: Dict[tuple, int] = {}  # (mode, k0) or (mode, k0, reason) -> count already exported
 
-    def publish(self, runtime: OEARuntime, layers: Optional[Any]) -> None:
+    def publish(self, runtime: OEARuntime, layers: Optional[Any], kept: Sequence[KeptMass] = ()) -> None:
+        self.publish_kept(runtime.routed_mode, kept)
         if layers is not None:
             for layer, (steps, before, after) in enumerate_layers(layers):
                 self.before.labels(**self.labels, layer=str(layer)).set(before / steps)
@@ -91,6 +166,15 @@ class PrometheusExport:
             self.exported_checks = runtime.rank_check.checks
         for (kernel, result), shapes in runtime.routers.status().items():
             self.kernel.labels(**self.labels, kernel=kernel, self_check=result).set(shapes)
+
+    def publish_kept(self, mode: str, kept: Sequence[KeptMass]) -> None:
+        for part in kept:
+            labels = dict(self.labels, mode=mode, k0=str(part.k0))
+            self.lost.labels(**labels).inc(part.lost_mass)
+            self.token_layers.labels(**labels).inc(part.token_layers)
+            self.kept.labels(**labels).set(part.kept)
+            for layer in part.lost:
+                self.layer_kept.labels(**labels, layer=str(layer)).set(part.layer_kept(layer))
 
     def publish_settings(self, settings: LiveSettings) -> None:
         for field, gauge in self.settings.items():
@@ -114,7 +198,7 @@ def series_labels(model_name: str, rank: int, dp_rank: Optional[int] = None) -> 
 
 
 def enumerate_layers(layers: Any):
-    """Yield (layer_id, (steps, before_sum, after_sum)) from drained [L, 4] rows."""
+    """Yield (layer_id, (steps, before_sum, after_sum)) from stats_between's [L, 4] rows."""
     for row in layers.tolist():
         yield int(row[3]), row[:3]
 
@@ -143,18 +227,23 @@ def follow_settings(runtime: OEARuntime, export: PrometheusExport) -> None:
     runtime.settings_listeners.append(export.publish_settings)
 
 
-def summary(runtime: OEARuntime, layers: Optional[Any]) -> str:
+def summary(runtime: OEARuntime, layers: Optional[Any], kept: Sequence[KeptMass] = ()) -> str:
     """The short OEA summary appended to SGLang's 'Decode batch' line: the k0 in force, and per
     routed mode seen (decode; verify under speculative decoding) the steps that ran with it:
-    applied / counted."""
+    applied / counted; the expert counts; the kept router mass of the interval's steps at the k0
+    in force (all layers, and the lowest layer)."""
     k0 = runtime.settings.k0
     counts = [f"{runtime.applied_by_k0[(mode, k0)]}/{steps} {mode} steps"
               for mode in ROUTED_MODES if (steps := steps_with(runtime, mode, k0))] or [f"0/0 {DECODE} steps"]
     text = f"OEA k0={k0}{' (off)' if k0 == 0 else ''}: applied {', '.join(counts)}"
-    if layers is None:
-        return text
-    steps, before, after = (float(v) for v in layers[:, :3].sum(dim=0))
-    return f"{text}, experts/layer/step {before / steps:.1f} -> {after / steps:.1f} ({after / before:.2f}x)"
+    if layers is not None:
+        steps, before, after = (float(v) for v in layers[:, :3].sum(dim=0))
+        text = f"{text}, experts/layer/step {before / steps:.1f} -> {after / steps:.1f} ({after / before:.2f}x)"
+    for part in kept:
+        if part.k0 == k0:
+            lowest = min(part.layer_kept(layer) for layer in part.lost)
+            text = f"{text}, kept router mass {part.kept:.3f} (lowest layer {lowest:.3f})"
+    return text
 
 
 def steps_with(runtime: OEARuntime, mode: str, k0: int) -> int:
@@ -186,10 +275,11 @@ def report(runtime: OEARuntime, snapshot: Optional[Snapshot]) -> None:
     snapshot, not the live counters: no device sync, nothing lost; see sglang_oea.counters);
     SGLang's 'Decode batch' line, logged right after this, carries the summary."""
     global _reported
-    layers = None
+    layers, kept = None, []
     if runtime.cfg.stats and snapshot is not None:
         layers = stats_between(snapshot, _reported)
+        kept = kept_mass_between(snapshot, _reported, runtime.moe_layers())
         _reported = snapshot
     if _export is not None:
-        _export.publish(runtime, layers)
-    _decode_line.pending = summary(runtime, layers)
+        _export.publish(runtime, layers, kept)
+    _decode_line.pending = summary(runtime, layers, kept)

@@ -25,6 +25,10 @@ the float32 logit for softmax routers (softmax is monotonic: the probability ord
 ties that rounding or underflow put into probabilities), sigmoid(logit) + correction bias for
 sigmoid routers. The fused kernel computes the same selection bits (sglang_oea.kernels.oea_route).
 
+`lost_router_mass` defines the live quality signal: the share of each token's own routed weight
+whose experts OEA dropped (sglang_oea.counters sums it per layer on the device, in fixed point;
+both routing paths compute it with this definition).
+
 `ids_checksum` is the rank-check digest of a batch's expert choice (sglang_oea.rank_check): the
 fused kernel can add it on the device, and is tested against this definition.
 """
@@ -39,6 +43,11 @@ RowCount = Optional[Union[int, torch.Tensor]]
 MIX1 = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 ROW_SHIFT = 20  # expert ids < 2**20
+
+# lost_router_mass_units: a token's share of router mass in fixed point (1 = MASS_ONE units, 2^-20
+# resolution): an int64 per-layer sum then holds 2^43 tokens, years of traffic.
+MASS_BITS = 20
+MASS_ONE = 1 << MASS_BITS
 
 # Fill classes, in the order a row consumes them (see the module docstring).
 _ELIGIBLE, _FILL_IN_UNION, _FILL_OUTSIDE, _HELD = 0, 1, 2, 3
@@ -253,3 +262,46 @@ def ids_checksum(ids: torch.Tensor, rows: RowCount = None) -> torch.Tensor:
     if rows is not None:
         h = h * valid_row_mask(num_rows, rows, device)[:, None]
     return h.sum()
+
+
+def lost_router_mass(own_ids: torch.Tensor, own_weights: torch.Tensor, new_ids: torch.Tensor,
+                     new_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per row, the share of its own routed weight whose experts OEA dropped.
+
+    lost_r = sum_{j own, not kept} w_j / sum_{j own} w_j, over the row's routed columns j whose id
+    lies in [0, num_experts) (no shared-expert columns here; a -1 id counts in neither sum); an
+    own expert is kept iff it is among the row's final ids with a final weight > 0 (a fill slot
+    weighs 0). 0 when the row's own weights sum to 0. The router's weights may be renormalised
+    or scaled: the share does not change. 1 - lost_r is the "kept router mass".
+
+    Written as few torch ops that copy nothing (the torch routing path runs it per MoE layer, also
+    inside CUDA graphs): masked_fill, not products with masks, and the ids compared in their own
+    dtype. The final slots without weight take the id -2, which no column holds.
+
+    Args:
+        own_ids, own_weights: [B, K] the router's routed ids and weights.
+        new_ids, new_weights: [B, K] the ids and weights OEA hands to the layer (the router's own
+            where OEA did not apply: the share is then exactly 0).
+    Returns:
+        [B] float32 in [0, 1].
+    """
+    w = own_weights if own_weights.dtype == torch.float32 else own_weights.float()
+    foreign = own_ids.clamp(0, num_experts - 1) != own_ids  # ids outside [0, N)
+    weighted = new_ids.masked_fill(new_weights <= 0, -2)
+    kept = (own_ids[:, :, None] == weighted[:, None, :]).any(dim=2)
+    gone = w.masked_fill(kept | foreign, 0.0).sum(dim=1)
+    total = w.masked_fill(foreign, 0.0).sum(dim=1)
+    return gone / total.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def lost_router_mass_units(own_ids: torch.Tensor, own_weights: torch.Tensor, new_ids: torch.Tensor,
+                           new_weights: torch.Tensor, num_experts: int, rows: RowCount = None) -> torch.Tensor:
+    """0-d int64: the sum over the first `rows` rows of lost_router_mass, in units of 2^-MASS_BITS
+    rounded to the nearest unit (the device counters' column). The fused kernel rounds each row
+    and the torch path the sum, so the two agree to within one unit per row."""
+    share = lost_router_mass(own_ids, own_weights, new_ids, new_weights, num_experts)
+    if isinstance(rows, torch.Tensor):
+        share = share * valid_row_mask(own_ids.shape[0], rows, own_ids.device)
+    elif rows is not None:
+        share = share[:rows]
+    return (share.sum() * MASS_ONE).round().long()

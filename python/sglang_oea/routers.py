@@ -41,16 +41,18 @@ EAGER, WARMUP, CAPTURE = "eager", "warmup", "capture"
 
 # Why a failed self-check under `auto` on CUDA turns OEA off instead of falling back to the torch
 # path. Inside a CUDA graph every torch op is its own kernel node: route_from_logits is 21 to 39
-# ops, and the runtime's counting and checksum add a few more, so about 25-40 launches per MoE
-# layer, each about 2-3 us on the GPU at decode sizes (a tiny kernel plus the gap between nodes).
-# GLM-5 has 75 MoE layers: 75 x 25-40 = 1,900-3,000 launches, about 4-9 ms per decode step.
+# ops, and the runtime's counting adds about 55 more with the counts on (the default: distinct
+# experts before and after, the kept router mass; cpu_routing_cost.py counts them), so about 25-40
+# launches per MoE layer with --oea-disable-stats and up to about 95 without it, each about 2-3 us
+# on the GPU at decode sizes (a tiny kernel plus the gap between nodes). GLM-5 has 75 MoE layers:
+# 75 x 25-95 = 1,900-7,100 launches, about 4-21 ms per decode step.
 # OEA saves a share of each MoE layer's expert-weight reads: 55-70 us per layer on Qwen3-30B at
 # k0=4 / k0=3 on one H100 (175.7 -> 120.9 / 106.8 us, the paper), less under TP (0.85x / 0.73x of
 # the layer on 8x H100), so roughly 1-5 ms per step over 75 layers. The torch path would likely cost more
 # than OEA saves: a server that asked for `auto` gets the router's own experts (no slowdown, no
 # change to outputs) and a loud error instead. --oea-kernel torch forces the torch path anyway.
 # (An estimate from the paper's layer times and typical launch costs, not measured on GLM-5.)
-TORCH_PATH_LAUNCHES_PER_LAYER = (25, 40)
+TORCH_PATH_LAUNCHES_PER_LAYER = (25, 95)
 GRAPH_LAUNCH_US = (2, 3)
 
 # router_for's router names, as status() reports them.
@@ -102,11 +104,12 @@ class KernelSelfCheckError(RuntimeError):
 
 def launch_kernel(logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int, rows: RowCount,
                   min_batch: int, max_batch: int, workspace, stats=None, before_launch=None, checksum=None,
-                  control: Optional[torch.Tensor] = None, rows_per_request: int = 1):
+                  control: Optional[torch.Tensor] = None, rows_per_request: int = 1, lost=None):
     """kernels.oea_route with the router's scoring unpacked from its RouterSpec.
 
-    stats: None or a [3] int64 device tensor, checksum: None or a [1] int64 device tensor, that the
-    kernel adds this call's distinct-expert counts and its output ids' rank-check checksum into.
+    stats: None or a [3] int64 device tensor, checksum: None or a [1] int64 device tensor, lost:
+    None or a [MAX_K0] int64 device tensor, that the kernel adds this call's distinct-expert
+    counts, its output ids' rank-check checksum and its lost router mass (at k0) into.
     control: None, or the device control block int32 [3] (k0, min_batch, max_batch) that the kernel
     reads instead of k0, min_batch and max_batch (the host's copy of the same values), with the
     floor scaled by rows_per_request.
@@ -119,7 +122,7 @@ def launch_kernel(logits, ids, weights, spec: RouterSpec, k0: int, num_routed: i
         logits, ids, weights, num_routed=num_routed, scoring_func=spec.scoring_func,
         correction_bias=spec.correction_bias, num_groups=spec.num_groups, restrict_groups=spec.restrict_groups,
         num_valid_rows=rows, workspace=workspace, stats=stats, checksum=checksum, before_launch=before_launch,
-        **gate,
+        lost=lost, **gate,
     )
 
 
@@ -130,9 +133,9 @@ class TorchRouter:
 
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
                  rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None,
-                 control: Optional[torch.Tensor] = None, rows_per_request: int = 1):
-        """(ids [B, C], weights [B, C], counted): counted is always False: stats and checksum are left
-        untouched, for the runtime to add with reference ops. control: as launch_kernel's (k0 and
+                 control: Optional[torch.Tensor] = None, rows_per_request: int = 1, lost=None):
+        """(ids [B, C], weights [B, C], counted): counted is always False: stats, checksum and lost
+        are left untouched, for the runtime to add with reference ops. control: as launch_kernel's (k0 and
         the bounds read on the device: routing.control_values)."""
         shared = num_routed < ids.shape[1]
         routed_ids, routed_weights = (ids[:, :num_routed], weights[:, :num_routed]) if shared else (ids, weights)
@@ -194,17 +197,18 @@ class TritonRouter:
 
     def __call__(self, slot: int, logits, ids, weights, spec: RouterSpec, k0: int, num_routed: int,
                  rows: RowCount, min_batch: int, max_batch: int, phase: str = EAGER, stats=None, checksum=None,
-                 control: Optional[torch.Tensor] = None, rows_per_request: int = 1):
+                 control: Optional[torch.Tensor] = None, rows_per_request: int = 1, lost=None):
         """(ids [B, C], weights [B, C], counted): views of the layer's workspace; counted is always
-        True: the kernel itself added this call's distinct-expert counts to `stats` and its ids'
-        checksum to `checksum` (each when given), so the runtime adds neither. Warm-up calls record
+        True: the kernel itself added this call's distinct-expert counts to `stats`, its ids'
+        checksum to `checksum` and its lost router mass to `lost` (each when given), so the
+        runtime adds none of them. Warm-up calls record
         the variants they launch; capture calls may launch only those (no check eagerly: it costs
         host time on every call). control: as launch_kernel's."""
         capturing = phase == CAPTURE
         ws = self.workspace(slot, logits, ids, weights, capturing)
         guard = None if phase == EAGER else self.variant_guard(capturing)
         new_ids, new_weights = launch_kernel(logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch,
-                                             ws, stats, guard, checksum, control, rows_per_request)
+                                             ws, stats, guard, checksum, control, rows_per_request, lost)
         return new_ids, new_weights, True
 
 

@@ -126,16 +126,27 @@ class OEARuntime:
     skipped_steps = _read_through("accounts", "skipped_steps", "reason -> skipped steps, over all pass modes.")
     applied_by_k0 = _read_through("accounts", "applied_by_k0", "(pass mode, k0) -> steps whose ids OEA rewrote.")
     skipped_by_k0 = _read_through("accounts", "skipped_by_k0", "(pass mode, k0, reason) -> steps without OEA.")
+    tokens_by_k0 = _read_through("accounts", "tokens_by_k0", "k0 -> real token rows of the routed steps counted.")
     layers = _read_through("layer_router", "layers", "(layer id, id(TopKConfig)) -> the layer's routing.")
+
+    @property
+    def routed_mode(self) -> str:
+        """The mode of this server's routed passes: verify under speculative decoding (its decode
+        passes are the draft's), else decode. A server has exactly one."""
+        return VERIFY if self.speculative else DECODE
+
+    def moe_layers(self) -> Tuple[int, ...]:
+        """The ids of the MoE layers OEA routes (those whose router it supports), seen so far."""
+        return tuple(sorted({layer for (layer, _), info in self.layers.items() if info.unsupported is None}))
 
     def steps_of(self, mode: str) -> int:
         """Counted steps (applied or skipped) of one pass mode."""
         return self.accounts.steps_of(mode)
 
-    def count(self, mode: str, reason: Optional[str], k0: Optional[int] = None) -> None:
-        """One serving pass of `mode`, routed with k0 (default: that in force): applied (reason
-        None) or skipped with `reason`."""
-        self.accounts.count(mode, reason, self._settings.k0 if k0 is None else k0)
+    def count(self, mode: str, reason: Optional[str], k0: Optional[int] = None, rows: int = 0) -> None:
+        """One serving pass of `mode` with `rows` real token rows, routed with k0 (default: that in
+        force): applied (reason None) or skipped with `reason`."""
+        self.accounts.count(mode, reason, self._settings.k0 if k0 is None else k0, rows)
 
     # ------------------------------------------------------------------ live settings
 
@@ -234,7 +245,7 @@ class OEARuntime:
         counted = self.accounts.end_pass(step)
         if counted and step.routed and self.device is not None and self.device.snapshots is not None:
             # On the stream that ran the pass, behind its last MoE layer (see sglang_oea.counters).
-            self.device.snapshots.take(self.routed_steps)
+            self.device.snapshots.take(self.routed_steps, host=dict(self.accounts.tokens_by_k0))
 
     def set_replay_rows(self, real_rows: int) -> None:
         """Before a graph replay: the real token rows, for the captured routing to read."""

@@ -9,11 +9,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+import flags_probe
 from sglang_oea import flags, hooks
 from sglang_oea.config import DEFAULT_MIN_BATCH, MAX_BATCH, MAX_ROWS_PER_REQUEST, LiveSettings, OEAConfig, build_config
 from sglang_oea.cpu.serve import cpu_environment
@@ -454,47 +454,87 @@ def test_disabled_config_skips_all_checks(dense_model):
 # ----------------------------------------------------------------------------- real SGLang entry points
 
 
-def run_launcher(args, timeout=240):
-    env = cpu_environment()
-    env.pop(hooks.CONFIG_ENV, None)
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.time() - start
+def model_args(model):
+    return ["--model-path", model, "--load-format", "dummy", "--device", "cpu"]
 
 
-def test_launch_server_help_lists_the_oea_group():
-    proc, _ = run_launcher(["--help"])
-    assert proc.returncode == 0
-    assert "Opportunistic Expert Activation (sglang-oea)" in proc.stdout
-    for flag in ("--oea-k0", "--oea-min-batch", "--oea-max-batch"):
-        assert flag in proc.stdout
-
-
-@pytest.mark.parametrize("extra,message", [
+ROLES = ("scheduler", "detokenizer", "dp_controller", "launcher")
+CLI_REFUSALS = [
     (["--oea-k0", "-1"], "argument --oea-k0: --oea-k0 must be an integer from 0 to 64, got -1"),
     (["--oea-k0", "2", "--oea-min-batch", "65537"], "--oea-min-batch must be an integer from 1 to 65536, got 65537"),
     (["--oea-k0", "3", "--ep-size", "2"], "sglang-oea: error: --oea-k0 supports --ep-size 1 only"),
     (["--oea-k0", "3", "--moe-runner-backend", "flashinfer_trtllm"], "sglang-oea: error: --oea-k0 needs top-k ids"),
     (["--oea-k0", "3", "--oea-kernel", "triton"], "sglang-oea: error: --oea-kernel triton needs a CUDA device"),
     (["--oea-k0", "3", "--moe-a2a-backend", "deepep"], "sglang-oea: error: --oea-k0 supports --moe-a2a-backend none only"),
-])
-def test_cli_refusals_exit_before_loading(moe_model, extra, message):
-    proc, _ = run_launcher(["--model-path", moe_model, "--load-format", "dummy", "--device", "cpu", *extra])
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert "Load weight" not in proc.stderr + proc.stdout
+]
 
 
-def test_cli_refuses_dense_model(dense_model):
-    proc, _ = run_launcher(["--model-path", dense_model, "--load-format", "dummy", "--device", "cpu", "--oea-k0", "2"])
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
+@pytest.fixture(scope="module")
+def entries(moe_model, dense_model):
+    """The cases below that run a process entry of SGLang's (a role's entry up to its plugins, the
+    launcher's command line, a process's first Engine), each in a fresh fork of one child that
+    imports SGLang once (flags_probe.py): {case name: outcome}."""
+    on = OEAConfig(k0=2).as_dict()
+    cases = [{"name": f"role {role}", "kind": "role", "role": role, "config": on} for role in ROLES]
+    cases += [{"name": f"role {role} without OEA", "kind": "role", "role": role, "config": None}
+              for role in ("scheduler", "launcher")]
+    cases += [{"name": " ".join(extra), "kind": "launch", "argv": [*model_args(moe_model), *extra]} for extra, _ in CLI_REFUSALS]
+    cases += [{"name": "help", "kind": "launch", "argv": ["--help"]},
+              {"name": "dense", "kind": "launch", "argv": [*model_args(dense_model), "--oea-k0", "2"]},
+              {"name": "accepted", "kind": "launch", "argv": [*model_args(moe_model), "--oea-k0", "3"]},
+              {"name": "first engine", "kind": "engine",
+               "kwargs": {"model_path": moe_model, "oea_k0": 0, "oea_min_batch": 0}}]
+    env = cpu_environment()
+    env.pop(hooks.CONFIG_ENV, None)
+    return flags_probe.probe(cases, env)
+
+
+def outcome(entries, name):
+    """The result of case `name`, with its stderr's end when it has none (it raised)."""
+    run = entries[name]
+    assert run["result"] is not None, f"case {name!r} (exit {run['status']}): {run['stderr'][-2000:]}"
+    return run["result"]
+
+
+def test_launch_server_help_lists_the_oea_group(entries):
+    assert outcome(entries, "help") == {"code": 0, "launched": False}
+    out = entries["help"]["stdout"]
+    assert "Opportunistic Expert Activation (sglang-oea)" in out
+    for flag in ("--oea-k0", "--oea-min-batch", "--oea-max-batch"):
+        assert flag in out
+
+
+@pytest.mark.parametrize("extra,message", CLI_REFUSALS)
+def test_cli_refusals_exit_before_loading(entries, extra, message):
+    """Refused with an error exit before the launcher starts the server (which loads the weights)."""
+    result, err = outcome(entries, " ".join(extra)), entries[" ".join(extra)]["stderr"]
+    assert result["code"] != 0 and not result["launched"], err[-2000:]
+    assert message in err
+
+
+def test_cli_probe_reaches_the_launch_when_nothing_is_refused(entries):
+    """The control for the refusals: an accepted command line gets as far as starting the server."""
+    assert outcome(entries, "accepted")["launched"], entries["accepted"]["stderr"][-2000:]
+    assert "sglang-oea: error" not in entries["accepted"]["stderr"]
+
+
+def test_cli_refuses_dense_model(entries):
+    result, err = outcome(entries, "dense"), entries["dense"]["stderr"]
+    assert result["code"] != 0 and not result["launched"]
+    last = err.strip().splitlines()[-1]
     assert last.startswith("sglang-oea: error: --oea-k0 needs a mixture-of-experts model")
 
 
+def run_launcher(args, timeout=240):
+    env = cpu_environment()
+    env.pop(hooks.CONFIG_ENV, None)
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_cli_refuses_resolved_all_to_all_dispatch_in_one_line(moe_model):
-    proc, _ = run_launcher(["--model-path", moe_model, "--load-format", "dummy", "--device", "cpu", "--tp", "2",
-                            "--enable-waterfill", "--oea-k0", "2"])
+    """A real `python -m sglang.launch_server` run, end to end."""
+    proc = run_launcher([*model_args(moe_model), "--tp", "2", "--enable-waterfill", "--oea-k0", "2"])
     assert proc.returncode != 0
     assert proc.stderr.count("sglang-oea: error:") == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -524,36 +564,10 @@ def test_engine_keywords_behave_like_the_flags(moe_model, monkeypatch, keywords,
         hooks.engine_server_args(model_path=moe_model, oea_k0=2, oea_disable_stats="yes")
 
 
-def test_the_first_engine_of_a_process_takes_the_oea_keywords(moe_model):
+def test_the_first_engine_of_a_process_takes_the_oea_keywords(entries):
     """sglang.Engine loads the plugins inside its own __init__: the keywords are read by the record
     class it builds its ServerArgs with, not by an __init__ hook, which would land too late."""
-    probe = (f"import sglang\ntry:\n    sglang.Engine(model_path={moe_model!r}, oea_k0=0, oea_min_batch=0)\n"
-             "except ValueError as exc:\n    print(exc)\n")
-    proc = subprocess.run([sys.executable, "-c", probe], env=cpu_environment(), capture_output=True, text=True, timeout=240)
-    assert proc.stdout.strip().splitlines()[-1] == "--oea-min-batch must be an integer from 1 to 65536, got 0", proc.stderr[-2000:]
-
-
-class PluginsLoaded(Exception):
-    """Stops a process entry of SGLang's right after its load_plugins()."""
-
-
-def _child_reads_config(queue, server_args):
-    """A scheduler process as SGLang starts one (run_scheduler_process), up to its plugins."""
-    from sglang.srt.managers import scheduler
-
-    def report(*args, **kwargs):
-        queue.put({
-            "oea": getattr(server_args, "_oea", None),
-            "published": hooks.published_config().as_dict(),
-            "missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
-        })
-        raise PluginsLoaded
-
-    scheduler.resolve_spawn_dp_rank = report  # its first statement after load_plugins()
-    try:
-        scheduler.run_scheduler_process(server_args, None, 0, 0, 0, None, None)
-    except PluginsLoaded:
-        pass
+    assert outcome(entries, "first engine") == {"error": "--oea-min-batch must be an integer from 1 to 65536, got 0"}
 
 
 def test_spawned_scheduler_process_sees_the_flags(moe_model):
@@ -565,95 +579,34 @@ def test_spawned_scheduler_process_sees_the_flags(moe_model):
     assert server_args._oea == want
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child_reads_config, args=(queue, server_args))
+    child = ctx.Process(target=flags_probe.report_scheduler_config, args=(queue, server_args))
     child.start()
     got = queue.get(timeout=240)
     child.join(timeout=60)
     assert got == {"oea": want, "published": want, "missing": []}
 
 
-NOOP_PROBE = """
-import json
-from sglang.srt.plugins import load_plugins
-load_plugins()
-from sglang_oea import hooks
-print(json.dumps({"routing_missing": hooks.missing_hooks(hooks.ROUTING_TARGETS), "cli_missing": hooks.missing_hooks(hooks.CLI_TARGETS)}))
-"""
-
-
-def test_plugin_installed_but_off_wraps_no_routing_target():
-    env = cpu_environment()
-    env.pop(hooks.CONFIG_ENV, None)
-    proc = subprocess.run([sys.executable, "-c", NOOP_PROBE], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_plugin_installed_but_off_wraps_no_routing_target(entries):
+    result = outcome(entries, "role launcher without OEA")
     assert result["routing_missing"] == list(hooks.ROUTING_TARGETS), "no routing target is wrapped when OEA is off"
     assert result["cli_missing"] == [], "the flags are still available"
 
 
 # Each process that loads plugins, run from its SGLang entry up to its first statement after
-# load_plugins(): the hooks it has then. The launcher (launch_server, sglang serve, Engine) calls
-# load_plugins() itself; here with a config already published, as in a second Engine.
-PROCESS_PROBE = """
-import json, sys
-from sglang_oea import hooks
-
-class PluginsLoaded(Exception):
-    pass
-
-def report(*args, **kwargs):
-    print(json.dumps({"routing_missing": hooks.missing_hooks(hooks.ROUTING_TARGETS),
-                      "control_missing": hooks.missing_hooks(hooks.CONTROL_TARGETS),
-                      "cli_missing": hooks.missing_hooks(hooks.CLI_TARGETS)}))
-    raise PluginsLoaded
-
-role = sys.argv[1]
-if role == "scheduler":
-    from sglang.srt.managers import scheduler as entry
-    entry.resolve_spawn_dp_rank = report
-    run = lambda: entry.run_scheduler_process(None, None, 0, 0, 0, None, None)
-elif role == "detokenizer":
-    from sglang.srt.managers import detokenizer_manager as entry
-    entry.configure_logger = report
-    run = lambda: entry.run_detokenizer_process(None, None)
-elif role == "dp_controller":
-    from sglang.srt.managers import data_parallel_controller as entry
-    entry.publish = report
-    run = lambda: entry.run_data_parallel_controller_process(None, None, None)
-else:
-    from sglang.srt.plugins import load_plugins
-    run = lambda: (load_plugins(), report())
-try:
-    run()
-except PluginsLoaded:
-    pass
-"""
-
-
-def probe_process(role, cfg):
-    """The hooks a process of `role` has right after its load_plugins(), with `cfg` published."""
-    env = cpu_environment()
-    env.pop(hooks.CONFIG_ENV, None)
-    if cfg is not None:
-        env[hooks.CONFIG_ENV] = json.dumps(cfg.as_dict())
-    proc = subprocess.run([sys.executable, "-c", PROCESS_PROBE, role], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("role", ["scheduler", "detokenizer", "dp_controller", "launcher"])
-def test_only_scheduler_processes_get_the_routing_hooks(role):
-    result = probe_process(role, OEAConfig(k0=2))
+# load_plugins(): the hooks it has then. The launcher here with a config already published, as in a
+# second Engine.
+@pytest.mark.parametrize("role", ROLES)
+def test_only_scheduler_processes_get_the_routing_hooks(entries, role):
+    result = outcome(entries, f"role {role}")
     assert result["routing_missing"] == ([] if role == "scheduler" else list(hooks.ROUTING_TARGETS))
     assert result["control_missing"] == ([] if role == "scheduler" else list(hooks.CONTROL_TARGETS))
     assert result["cli_missing"] == [], "the flags' hooks are in every process"
 
 
-def test_scheduler_without_oea_only_refuses_the_live_settings():
+def test_scheduler_without_oea_only_refuses_the_live_settings(entries):
     """OEA not installed: no routing target is wrapped in a scheduler either; its internal-state
     controller gets the one hook that refuses the oea_* keys with advice."""
-    result = probe_process("scheduler", None)
+    result = outcome(entries, "role scheduler without OEA")
     assert result["routing_missing"] == list(hooks.ROUTING_TARGETS)
     assert result["control_missing"] == [hooks.SET_STATE, hooks.GET_STATE]
 

@@ -263,6 +263,38 @@ def test_shared_columns_pass_through_under_capture(capture):
     assert torch.equal(got_ids[:, :TOP_K].long(), want_ids)
 
 
+def test_lost_router_mass_is_filed_under_the_k0_each_replay_ran_with(capture):
+    """One graph, captured once, outlives a live k0 change: each replay with an open gate adds its
+    real rows' lost router mass (shared-expert columns and padded rows excluded) to the column of
+    its own k0; closed-gate replays and OEA off add nothing. The expected units come from a
+    brute-force computation on the replay's own output (gpu_compare.brute_force_lost_units)."""
+    from gpu.gpu_compare import brute_force_lost_units
+    from sglang_oea.config import LiveSettings
+    from sglang_oea.counters import LOST
+
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=4, max_batch=12))
+    inputs = {0: router_inputs(BUCKET, seed=5, shared=1), 3: router_inputs(BUCKET, seed=6, shared=1)}
+    capture_bucket(rt, capture, inputs, BUCKET, SHARED_CONFIG)
+    start = rt.counters.table[:, LOST:].clone()  # the warm-ups and the capture counted what their rows held
+    want = {(layer, k0): [0, 0] for layer in inputs for k0 in (0, 2, 3)}
+    for k0, real in ((3, 10), (3, 2), (2, 7), (0, 9), (2, 13), (3, 5)):
+        rt.request_settings(LiveSettings(k0=k0, min_batch=4, max_batch=12))
+        out = replay(rt, capture, inputs, BUCKET, real, SHARED_CONFIG)
+        if k0 == 0 or not 4 <= real <= 12:
+            continue
+        for layer, (_, ids, weights) in inputs.items():
+            got_ids, got_weights = out[layer]
+            units, rows = brute_force_lost_units(ids[:, :TOP_K], weights[:, :TOP_K], got_ids[:, :TOP_K],
+                                                 got_weights[:, :TOP_K], NUM_EXPERTS, real)
+            want[(layer, k0)] = [want[(layer, k0)][0] + units, want[(layer, k0)][1] + rows]
+    added = rt.counters.table[:, LOST:] - start
+    for (layer, k0), (units, rows) in want.items():
+        assert abs(int(added[layer, k0]) - units) <= rows, (layer, k0, int(added[layer, k0]), units)
+        if k0:
+            assert units > rows, "OEA at k0 < top-k drops router mass on random routings"
+    assert int(added[[0, 3]][:, [0, 2, 3]].count_nonzero()) == 4 and int(added.count_nonzero()) == 4
+
+
 def test_eager_steps_count_only_when_ids_were_rewritten(caplog):
     rt = OEARuntime(OEAConfig(k0=3, min_batch=4))
     logits, ids, weights = router_inputs(6, seed=1)

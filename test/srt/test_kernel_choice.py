@@ -32,21 +32,27 @@ cpu_engine_only = pytest.mark.skipif(INTERPRET, reason="the interpreter makes th
 
 
 def torch_kernel(logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch, workspace, stats=None,
-                 before_launch=None, checksum=None, control=None, rows_per_request=1):
+                 before_launch=None, checksum=None, control=None, rows_per_request=1, lost=None):
     """A stand-in for the fused kernel with its exact contract, computed by the torch path."""
     new_ids, new_weights, _ = TorchRouter()(0, logits, ids, weights, spec, k0, num_routed, rows, min_batch, max_batch,
                                             control=control, rows_per_request=rows_per_request)
-    if stats is not None:
-        from sglang_oea.reference import batch_gate, distinct_experts
-        from sglang_oea.routing import control_gate
+    from sglang_oea.reference import batch_gate, distinct_experts
+    from sglang_oea.routing import control_gate
 
-        gate = (batch_gate(rows, min_batch, max_batch) if control is None
-                else control_gate(rows, control, num_routed, rows_per_request))
+    gate = (batch_gate(rows, min_batch, max_batch) if control is None
+            else control_gate(rows, control, num_routed, rows_per_request))
+    if stats is not None:
         before = distinct_experts(ids[:, :num_routed], logits.shape[1], rows)
         after = distinct_experts(new_ids[:, :num_routed], logits.shape[1], rows)
         stats.add_(torch.stack([torch.ones_like(before), before, after]) * gate)
     if checksum is not None:
         checksum.add_(ids_checksum(new_ids[:, :num_routed], int(rows)))
+    if lost is not None:
+        from sglang_oea.reference import lost_router_mass_units
+
+        units = lost_router_mass_units(ids[:, :num_routed], weights[:, :num_routed], new_ids[:, :num_routed],
+                                       new_weights[:, :num_routed], logits.shape[1], rows)
+        lost[k0 if control is None else int(control[0])] += units * gate
     return new_ids, new_weights
 
 

@@ -297,6 +297,7 @@ def test_off_on_off_changes_routing_and_only_while_on(live, plain):
         "flag": "auto", "paths": [{"router": "torch", "self_check": "not_run", "shapes": 1}], "tp_size": 1}
     assert applied_steps(on, k0="1") > 40 and applied_steps(on, k0="0") == 0
     assert (oea_value(on, "sglang:oea_k0"), oea_value(on, "sglang:oea_max_batch")) == (1, 32)
+    assert_kept_router_mass_moved(on, log)
 
     change(base, oea_k0=0)
     assert greedy_ids(base, plain["prompts"]) == plain["ids"], "off again: plain SGLang's output"
@@ -310,6 +311,31 @@ def test_off_on_off_changes_routing_and_only_while_on(live, plain):
     # published just after its token is streamed, so `on` may lack the last one; `again` has it.)
     assert applied_steps(again) == applied_steps(again, k0="1") == off_at[2] - on_at[2]
     assert oea_value(again, SKIPPED, reason="oea_off") - oea_value(on, SKIPPED, reason="oea_off") >= 80
+    assert_kept_router_mass_is_one(again, k0="0")
+
+
+KEPT, LAYER_KEPT = "sglang:oea_kept_router_mass", "sglang:oea_layer_kept_router_mass"
+LOST, TOKEN_LAYERS = "sglang:oea_router_mass_lost_total", "sglang:oea_routed_token_layers_total"
+
+
+def assert_kept_router_mass_moved(metrics, log):
+    """k0 = 1 on single requests: every MoE layer keeps less than the router's whole choice, in the
+    per-layer and whole-model gauges, in the counters and in the decode log line."""
+    layers = [v for (name, labels), v in metrics.items() if name == LAYER_KEPT and ("k0", "1") in labels]
+    assert len(layers) >= 2 and all(0 < v < 1 for v in layers), layers
+    kept = oea_value(metrics, KEPT, k0="1", mode="decode")
+    assert 0 < kept < 1 and min(layers) <= kept <= max(layers)
+    assert oea_value(metrics, LOST, k0="1") > 0 and oea_value(metrics, TOKEN_LAYERS, k0="1") >= 40 * len(layers)
+    line = re.search(r"OEA k0=1: applied .*, kept router mass (0\.\d+) \(lowest layer (0\.\d+)\)", open(log).read())
+    assert line and float(line.group(2)) <= float(line.group(1)) < 1, "the decode log line carries it"
+
+
+def assert_kept_router_mass_is_one(metrics, k0):
+    """Where OEA changed nothing, the signal is exactly 1.0: no router mass was lost."""
+    assert oea_value(metrics, TOKEN_LAYERS, k0=k0) > 0, "the steps were counted"
+    assert oea_value(metrics, LOST, k0=k0) == 0 and oea_value(metrics, KEPT, k0=k0) == 1.0
+    layers = [v for (name, labels), v in metrics.items() if name == LAYER_KEPT and ("k0", k0) in labels]
+    assert layers and all(v == 1.0 for v in layers)
 
 
 @pytest.mark.server
@@ -320,6 +346,8 @@ def test_k0_at_least_top_k_set_live_is_identical_to_plain(live, plain):
     assert greedy_ids(base, plain["prompts"]) == plain["ids"]
     assert oea_state(base)["k0"] == TOP_K
     change(base, oea_k0=0)
+    complete(base, PROMPTS[0], 4)  # the k0 = top-k steps reach /metrics behind later ones
+    assert_kept_router_mass_is_one(scrape(base), k0=str(TOP_K))
 
 
 BAD = [

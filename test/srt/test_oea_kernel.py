@@ -10,7 +10,8 @@ here and test_whole_file_in_the_interpreter runs this file in a child process th
 
 The interpreter costs ~20-40 ms per row, so the grid is sampled: every listed N, K and every
 k0 < K appears in some case. Half of the grid also passes the expert counters (`stats=`) and
-checks them against sglang_oea.reference.distinct_experts and batch_gate; half (crossed with it)
+checks them against sglang_oea.reference.distinct_experts and batch_gate, with the lost router
+mass (`lost=`) against a brute-force computation (gpu_compare.expected_lost); half (crossed with it)
 passes the rank-check checksum (`checksum=`) and checks it against reference.ids_checksum. The
 grid and the inputs live in benchmark/oea/gpu/gpu_cases.py, the comparison in gpu_compare.py, which
 benchmark/oea/gpu/gpu_check.py also runs on a GPU, together with its bitwise score check
@@ -210,7 +211,7 @@ def test_stats_argument_is_checked():
 def test_k0_at_least_k_returns_the_router_tensors():
     case = Case(B=5, N=64, K=4, k0=4)
     logits, ids, w, spec = _inputs(case, SEED)
-    table, row, slot = gpu_compare.new_counters(DEVICE)
+    table, row, slot, _ = gpu_compare.new_counters(DEVICE)
     out_ids, out_w = oea_route(logits, ids, w, k0=4, num_valid_rows=None, stats=row, checksum=slot)
     assert out_ids is ids and out_w is w
     assert not table.any()  # no launch, nothing counted or summed (documented)
@@ -238,15 +239,19 @@ def test_padded_rows_may_hold_minus_one(min_batch):
     masked = ids.clone()
     masked[case.nv :] = -1
     ws = OEAWorkspace.allocate(64, 8, 12, ids.dtype, w.dtype, DEVICE)
-    sums, row = gpu_compare.new_stats(DEVICE)
-    out_ids, out_w = gpu_cases.run_kernel(case, logits, masked, w, spec, workspace=ws, stats=row)
+    table, row, _, lost = gpu_compare.new_counters(DEVICE)
+    out_ids, out_w = gpu_cases.run_kernel(case, logits, masked, w, spec, workspace=ws, stats=row, lost=lost)
     if min_batch <= case.nv:
         _assert_matches_oracle(case, out_ids, out_w, logits, ids, w, spec)
     else:
         assert torch.equal(out_ids, masked) and torch.equal(out_w, w)
-    # Padded rows' -1 ids are not counted (the expected counts use the unmasked ids, valid rows only).
-    err = gpu_compare.stats_error(case, sums, 1, gpu_compare.expected_stats(case, logits, ids, w, spec))
+    # Padded rows' -1 ids are not counted (the expected counts use the unmasked ids, valid rows only),
+    # nor is their lost router mass.
+    want_lost = gpu_compare.expected_lost(case, logits, ids, w, spec)
+    err = (gpu_compare.stats_error(case, table[:, :3], 1, gpu_compare.expected_stats(case, logits, ids, w, spec))
+           or gpu_compare.lost_error(case, table, 1, want_lost))
     assert err is None, err
+    assert (want_lost[0] > 0) == (min_batch <= case.nv)
     assert int(ws.routed.count_nonzero()) == 0 and int(ws.union.count_nonzero()) == 0
 
 
@@ -266,10 +271,13 @@ def test_shared_expert_columns_pass_through(min_batch):
     shared_ids = torch.tensor([[64, 65]], dtype=ids.dtype, device=DEVICE).expand(9, 2)
     shared_w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1)).to(device=DEVICE, dtype=w.dtype)
     full_ids, full_w = torch.cat([ids, shared_ids], 1), torch.cat([w, shared_w], 1)
-    table, _, slot = gpu_compare.new_counters(DEVICE)
-    out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=8, num_valid_rows=case.nv, checksum=slot)
+    table, _, slot, lost = gpu_compare.new_counters(DEVICE)
+    out_ids, out_w = _route(case, logits, full_ids, full_w, spec, num_routed=8, num_valid_rows=case.nv, checksum=slot,
+                            lost=lost)
     assert out_ids.shape == (9, 10) and torch.equal(out_ids[:, 8:], shared_ids) and torch.equal(out_w[:, 8:], shared_w)
     assert gpu_compare.checksum_error(case, table, 1, gpu_compare.expected_checksum(case, logits, ids, w, spec)) is None
+    # The shared columns count in neither sum of the lost router mass (the expected value never sees them).
+    assert gpu_compare.lost_error(case, table, 1, gpu_compare.expected_lost(case, logits, ids, w, spec)) is None
     if min_batch <= case.nv:
         _assert_matches_oracle(case, out_ids[:, :8].contiguous(), out_w[:, :8].contiguous(), logits, ids, w, spec)
     else:

@@ -4,8 +4,13 @@ with random weights).
 NGRAM needs no draft model: the target decodes only in TARGET_VERIFY passes of requests x draft
 tokens rows, which OEA routes. Two CPU-only helpers make it run here: the stand-in sgl_kernel's
 plain-torch bodies for the speculative ops (cpu/stub/sgl_kernel/cpu_bodies.py) and the
-`oea_cpu_harness` plugin's verify attention for the torch_native backend, which has none. The
-baselines load that plugin alone (HARNESS): SGLang's own routing.
+`oea_cpu_harness` plugin's verify attention for the torch_native backend, which has none.
+
+Two servers, one at a time: plain SGLang without speculative decoding or plugins (the greedy
+reference), then one NGRAM server with OEA started at k0 = top-k (a no-op: SGLang's own routing)
+that both tests share in order. Its greedy text equal to plain greedy decoding's shows at once that
+the CPU verify path is sound and that OEA at k0 >= top-k changes nothing under speculation (either
+fault alone would make them differ); then k0 4 is set live and routes the verify passes.
 """
 
 import re
@@ -22,7 +27,6 @@ NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", s
          "--max-total-tokens", "16384",  # a small KV pool: these servers share the machine
          "--speculative-ngram-capacity", "100000",  # the default 10M-entry corpus takes ~1.8 GiB
          "--decode-log-interval", "1")
-HARNESS = "oea_cpu_harness"
 APPLIED, SKIPPED = "sglang:oea_decode_steps_applied_total", "sglang:oea_decode_steps_skipped_total"
 
 
@@ -34,33 +38,38 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_ngram(tmp_path_factory, model):
-    with serve(tmp_path_factory, model, *NGRAM, plugins=HARNESS) as (base, log):
-        texts = greedy_texts(base)
-    return texts, log
-
-
-def test_cpu_verify_path_reproduces_plain_greedy_decoding(tmp_path_factory, model, plain_ngram):
-    """Greedy speculative decoding must give greedy decoding's text: the CPU verify path (stand-in
-    ops, harness attention) is sound. Plain SGLang without speculative decoding or plugins."""
+def plain_texts(tmp_path_factory, model):
+    """Plain SGLang's greedy texts: no speculative decoding, no plugin."""
     with serve(tmp_path_factory, model, plugins=False) as (base, _):
-        assert greedy_texts(base) == plain_ngram[0]
-    lengths = accept_lengths(open(plain_ngram[1]).read())
+        return greedy_texts(base)
+
+
+@pytest.fixture(scope="module")
+def ngram_oea(tmp_path_factory, model):
+    """(URL, log path): the NGRAM server with OEA started at k0 = top-k, min-batch 1."""
+    flags = (*NGRAM, "--oea-k0", str(TOP_K), "--oea-min-batch", "1", "--enable-metrics")
+    with serve(tmp_path_factory, model, *flags) as running:
+        yield running
+
+
+def test_cpu_verify_path_reproduces_plain_greedy_decoding(plain_texts, ngram_oea):
+    """Greedy speculative decoding must give greedy decoding's text: the CPU verify path (stand-in
+    ops, harness attention) is sound, and OEA at k0 = top-k is SGLang's own routing."""
+    base, log = ngram_oea
+    assert greedy_texts(base) == plain_texts
+    lengths = accept_lengths(open(log).read())
     assert lengths and all(1 <= n <= DRAFTS for n in lengths)
 
 
-def test_k0_top_k_is_identical_then_k0_4_routes_verify_passes(tmp_path_factory, model, plain_ngram):
-    """One server started at k0 = top-k (a no-op: SGLang's own routing under the same NGRAM
-    settings), then k0 4 and min-batch 2 set live."""
-    flags = (*NGRAM, "--oea-k0", str(TOP_K), "--oea-min-batch", "1", "--enable-metrics")
-    with serve(tmp_path_factory, model, *flags) as (base, log):
-        assert greedy_texts(base) == plain_ngram[0]
-        set_live(base, oea_k0=4, oea_min_batch=2)
-        start = scrape(base)
-        complete(base, "alone", 12, ignore_eos=True)  # verify passes of 1 request < min batch 2
-        alone = scrape(base)
-        results = concurrent(base, 6, 20)
-        after = scrape(base)
+def test_k0_4_set_live_routes_verify_passes(ngram_oea):
+    """Then (the server's settings are still those it started with) k0 4 and min-batch 2 set live."""
+    base, log = ngram_oea
+    set_live(base, oea_k0=4, oea_min_batch=2)
+    start = scrape(base)
+    complete(base, "alone", 12, ignore_eos=True)  # verify passes of 1 request < min batch 2
+    alone = scrape(base)
+    results = concurrent(base, 6, 20)
+    after = scrape(base)
     assert all(r["usage"]["completion_tokens"] == 20 for r in results)
 
     def delta(name, old, new, **labels):
@@ -70,6 +79,10 @@ def test_k0_top_k_is_identical_then_k0_4_routes_verify_passes(tmp_path_factory, 
     assert delta(APPLIED, start, alone) == 0
     assert delta(APPLIED, alone, after, mode="verify") >= 3
     assert oea_value(after, APPLIED, mode="decode") == 0, "the target never decodes outside verify passes"
+    # The kept router mass counts the verify passes' token rows, under mode "verify".
+    lost, token_layers = "sglang:oea_router_mass_lost_total", "sglang:oea_routed_token_layers_total"
+    assert delta(lost, alone, after, mode="verify", k0="4") > 0 and delta(token_layers, start, after, mode="verify") > 0
+    assert oea_value(after, token_layers, mode="decode") == 0
     for layer in ("0", "1"):
         before = oea_value(after, "sglang:oea_active_experts_before", layer=layer)
         assert 4 <= oea_value(after, "sglang:oea_active_experts_after", layer=layer) < before

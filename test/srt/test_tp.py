@@ -9,8 +9,10 @@ the same counts, and the rank check (--oea-check-ranks) passes; live changes lan
 the same step; with OEA set off or to a no-op live, greedy outputs equal transformers' float32
 greedy decoding (which plain SGLang reproduces on this checkpoint, test_server_e2e.py). The output
 comparisons use held-out prompts on trained weights, where routing moves greedy tokens, and k0=1
-shows that they can fail. A server started without --oea-k0 installs no hooks at any TP size
-(test_server_e2e.py, TP=1). One server at a time (2 cores).
+shows that they can fail. Then one rank's routing checksum is made to diverge (a fault loaded into
+every server process, switched on by a file): the next rank check stops the server. A server
+started without --oea-k0 installs no hooks at any TP size (test_server_e2e.py, TP=1). One server
+for the whole file (a TP=2 start costs some 90 s on 2 cores), shared by both tests in order.
 """
 
 import json
@@ -83,7 +85,30 @@ def check_ranks_agree(base, log, dump, layers):
     assert per_rank["0"] and per_rank["0"] == per_rank["1"]
     assert oea_value(metrics, "sglang:oea_decode_steps_applied_total", tp_rank="0") >= 10
     assert oea_value(metrics, "sglang:oea_rank_checks_total", tp_rank="0") >= 10
+    assert oea_value(metrics, "sglang:oea_router_mass_lost_total", tp_rank="0") > 0, "kept mass compared, too"
     assert "routed different experts" not in open(log).read()
+
+
+# Loaded by every server process through PYTHONPATH: once the file FAULT_SWITCH names exists, the
+# last rank's layer-0 checksum, as every rank gathers it, is off by one, as if that rank had routed
+# one expert differently (column 0 of what RankCheck.gather returns is each rank's routed step,
+# column 1 layer 0's checksum). A file, not a flag: the same server runs the passing checks first.
+FAULT_SWITCH = "SGLANG_OEA_TEST_DIVERGE_FILE"
+FAULT = textwrap.dedent(f"""
+    import os
+    import sglang_oea.rank_check as rank_check
+
+    gather = rank_check.RankCheck.gather
+    switch = os.environ.get({FAULT_SWITCH!r}, "")
+
+    def gather_with_a_diverged_rank(self, local):
+        gathered = gather(self, local)
+        if switch and os.path.exists(switch):
+            gathered[-1, 1] += 1
+        return gathered
+
+    rank_check.RankCheck.gather = gather_with_a_diverged_rank
+""")
 
 
 LOAD_FLAGS = ("--enable-metrics", "--decode-log-interval", "1", "--oea-dump-steps", "16", "--oea-check-ranks", "1", *TP)
@@ -99,19 +124,31 @@ def check_serves(base, count=8, tokens=20):
     assert '"completion_tokens"' in chat
 
 
-def test_ranks_route_alike_under_load_and_off_is_identical(tmp_path_factory, models, reference):
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory, models):
+    """(URL, log path, router-dump folder, fault switch path): the trained Qwen3-MoE at TP=2, OEA on
+    at k0=1, every process loading FAULT, which stays inert until the switch file exists."""
     dump = str(tmp_path_factory.mktemp("dump"))
+    fault = tmp_path_factory.mktemp("fault")
+    (fault / "sitecustomize.py").write_text(FAULT)
+    switch = str(fault / "diverge")
+    env = {"PYTHONPATH": os.pathsep.join([str(fault), os.environ.get("PYTHONPATH", "")]), FAULT_SWITCH: switch}
     flags = (*FP32, "--oea-k0", "1", "--oea-min-batch", "1", "--oea-dump-router-logits", dump, *LOAD_FLAGS)
-    with serve(tmp_path_factory, models["qwen3_moe_trained"], *flags) as (base, log):
-        check_serves(base)
-        check_ranks_agree(base, log, dump, layers=4)
-        # The identity checks below can fail: k0=1 at min-batch 1 (pure pruning, one request at a
-        # time) changes greedy outputs.
-        assert greedy_ids(base, reference["prompts"]) != reference["ids"]
-        check_live_changes(base, log)
-        for k0 in (TOP_K, 0):  # a no-op, then off: SGLang's own routing on both ranks
-            set_live(base, oea_k0=k0, oea_min_batch=1, oea_max_batch=0)
-            assert greedy_ids(base, reference["prompts"]) == reference["ids"], k0
+    with serve(tmp_path_factory, models["qwen3_moe_trained"], *flags, extra_env=env) as (base, log):
+        yield base, log, dump, switch
+
+
+def test_ranks_route_alike_under_load_and_off_is_identical(reference, tp_server):
+    base, log, dump, _ = tp_server
+    check_serves(base)
+    check_ranks_agree(base, log, dump, layers=4)
+    # The identity checks below can fail: k0=1 at min-batch 1 (pure pruning, one request at a
+    # time) changes greedy outputs.
+    assert greedy_ids(base, reference["prompts"]) != reference["ids"]
+    check_live_changes(base, log)
+    for k0 in (TOP_K, 0):  # a no-op, then off: SGLang's own routing on both ranks
+        set_live(base, oea_k0=k0, oea_min_batch=1, oea_max_batch=0)
+        assert greedy_ids(base, reference["prompts"]) == reference["ids"], k0
     assert rank_lines(log, r"sglang-oea rank \d: OEA on, k0=1 .* check_ranks=1") == {"0": 1, "1": 1}
     assert "routed different experts" not in open(log).read()
 
@@ -146,39 +183,23 @@ def check_live_changes(base, log):
     assert [oea_value(scrape(base), "sglang:oea_k0", tp_rank=rank) for rank in RANKS] == [2, 2]
 
 
-# Loaded by every server process through PYTHONPATH: the last rank's layer-0 checksum, as every rank
-# gathers it, is off by one, as if that rank had routed one expert differently (column 0 of what
-# RankCheck.gather returns is each rank's routed step, column 1 layer 0's checksum).
-FAULT = textwrap.dedent("""
-    import sglang_oea.rank_check as rank_check
-
-    gather = rank_check.RankCheck.gather
-
-    def gather_with_a_diverged_rank(self, local):
-        gathered = gather(self, local)
-        gathered[-1, 1] += 1
-        return gathered
-
-    rank_check.RankCheck.gather = gather_with_a_diverged_rank
-""")
-
-
-def test_a_rank_divergence_stops_the_server(tmp_path_factory, models):
-    fault = tmp_path_factory.mktemp("fault")
-    (fault / "sitecustomize.py").write_text(FAULT)
-    env = {"PYTHONPATH": os.pathsep.join([str(fault), os.environ.get("PYTHONPATH", "")])}
-    flags = ("--oea-k0", "3", "--oea-min-batch", "2", "--oea-check-ranks", "40", *TP)
-    with serve(tmp_path_factory, models["qwen3_moe"], *flags, extra_env=env) as (base, log):
-        try:
-            concurrent(base, 4, 64)  # past decode step 40: the first check fails
-        except Exception:
-            pass  # the server goes down under the requests
-        deadline = time.time() + 120
-        while time.time() < deadline and server_up(base):
-            time.sleep(2)
-        assert not server_up(base)
+def test_a_rank_divergence_stops_the_server(tp_server):
+    """Last on the shared server (it goes down). The check's every-N-steps schedule is
+    test_rank_check.py's; here --oea-check-ranks 1: the first decode step after the switch fails."""
+    base, log, _, switch = tp_server
+    set_live(base, oea_k0=3, oea_min_batch=2)
+    assert "routed different experts" not in open(log).read()
+    open(switch, "w").close()
+    try:
+        concurrent(base, 4, 64)
+    except Exception:
+        pass  # the server goes down under the requests
+    deadline = time.time() + 120
+    while time.time() < deadline and server_up(base):
+        time.sleep(2)
+    assert not server_up(base)
     text = open(log).read()
-    pattern = r"ranks routed different experts \(decode step 40; layer 0: rank 0=0x[0-9a-f]{16}, rank 1=0x[0-9a-f]{16}\)"
+    pattern = r"ranks routed different experts \(decode step \d+; layer 0: rank 0=0x[0-9a-f]{16}, rank 1=0x[0-9a-f]{16}\)"
     assert rank_lines(text.splitlines(), pattern) == {"0": 1, "1": 1}
     assert "restart without --oea-k0" in text
 

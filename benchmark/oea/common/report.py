@@ -11,6 +11,9 @@ Pairing rule: the OEA/baseline throughput ratio at concurrency C is computed per
 repeat r of the OEA arm with repeat r of the baseline at the same C; we report its median and its
 min-max. Runs that cannot be paired (no baseline at that C, a repeat missing on one side, or a
 workload that differs between the two runs) are not compared: they are listed as warnings.
+
+Kept router mass per (concurrency, arm) is read from the runs' counter deltas (`oea_metrics_delta`,
+serving/oea_metrics.kept_mass_in_runs); the table shows its column only when some run has them.
 """
 
 import json
@@ -18,6 +21,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from serving.oea_metrics import KEPT_MASS_NOTE, kept_mass_in_runs
 
 BASELINE = "baseline"
 
@@ -83,6 +88,8 @@ class Summary:
     # (concurrency, OEA arm) -> Spread of per-repeat throughput ratios OEA/baseline
     ratios: Dict[Tuple[int, str], Spread]
     warnings: List[str] = field(default_factory=list)
+    # (concurrency, arm) -> mean kept router mass pooled over its runs (only where counted)
+    kept_mass: Dict[Tuple[int, str], float] = field(default_factory=dict)
 
 
 def _arm_sort_key(arm: str, k0_of: Dict[str, Optional[int]]):
@@ -153,7 +160,8 @@ def summarize(records: Sequence[dict]) -> Summary:
         for conc in concurrencies:
             if (conc, BASELINE) in runs and (conc, arm) not in runs:
                 warnings.append(f"{arm} C={conc}: baseline has runs at this concurrency, {arm} has none")
-    return Summary(arms, concurrencies, stats, ratios, warnings)
+    kept = {key: m for key, cell in runs.items() if (m := kept_mass_in_runs(list(cell.values()))) is not None}
+    return Summary(arms, concurrencies, stats, ratios, warnings, kept)
 
 
 def resolved(ratio: Spread, within: float = RESOLVED_WITHIN, min_repeats: int = RESOLVED_MIN_REPEATS) -> bool:
@@ -194,6 +202,11 @@ def _cell(s: Optional[Spread], spread: bool = False) -> str:
     return _fmt(s.median)
 
 
+def kept_text(kept: Optional[float]) -> str:
+    """A kept router mass for a table: '0.873', or '-' when not counted."""
+    return "-" if kept is None else f"{kept:.3f}"
+
+
 def markdown_table(summary: Summary, title: Optional[str] = None) -> str:
     """One row per (concurrency, arm): medians over repeats, throughput with its min-max, ratio."""
     lines = []
@@ -205,6 +218,7 @@ def markdown_table(summary: Summary, title: Optional[str] = None) -> str:
     )
     lines.append("")
     header = ["C", "arm", "n"] + [t for t, _ in METRICS] + ["ratio vs baseline"]
+    header += ["kept router mass"] if summary.kept_mass else []
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] * len(header)) + "|")
     for conc in summary.concurrencies:
@@ -222,7 +236,10 @@ def markdown_table(summary: Summary, title: Optional[str] = None) -> str:
                 cells.append(_cell(summary.ratios[(conc, arm)], spread=True))
             else:
                 cells.append("not compared")
+            if summary.kept_mass:
+                cells.append(kept_text(summary.kept_mass.get((conc, arm))))
             lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", KEPT_MASS_NOTE + "."] if summary.kept_mass else []
     note = unresolved_note(summary)
     if note:
         lines += ["", note]

@@ -27,7 +27,9 @@ each of their values appears with every (N, K) pair (hence with every N and with
     six settings combine differently from one pair to the next. Stats are a row of an [L, 3] int64
     buffer: an odd row is only 8-byte aligned, so both specialisations of that pointer compile. The
     checksum is column 3 of a row of an [L, 4] int64 table, as in serving (8 mod 16 bytes; the
-    kernel never specialises that pointer on alignment). The row count is always a 1-element int32
+    kernel never specialises that pointer on alignment). A call with stats also passes the lost
+    router mass row (columns LOST.. of a row of the serving counter table), as the runtime does.
+    The row count is always a 1-element int32
     device tensor, and k0 and the gate bounds a 3-element int32 control block read on the device
     (live settings: no value of them is compiled in). Every launch compiles with the plan's options
     (libdevice without flush-to-zero).
@@ -67,6 +69,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from sglang_oea.kernels.oea_route import KernelLaunch, OEAWorkspace, kernel_launches  # noqa: E402
+from sglang_oea.counters import LOST, WIDTH  # noqa: E402
 
 KB = 1024
 
@@ -166,6 +169,7 @@ def plan(case: Case) -> Tuple[KernelLaunch, KernelLaunch]:
         restrict_groups=sigmoid,
         stats=torch.zeros(2, 3, dtype=torch.int64)[case.stats_row] if case.stats else None,
         checksum=torch.zeros(2, 4, dtype=torch.int64)[case.stats_row, 3:] if case.checksum else None,
+        lost=torch.zeros(2, WIDTH, dtype=torch.int64)[case.stats_row, LOST:] if case.stats else None,
     )
 
 
@@ -391,8 +395,9 @@ def report(rows: Sequence[Row], archs: Sequence[int], wall: float, workers: int,
         + ("all passed." if not bad else f"{len(bad)} failed."),
         summary_markdown(rows),
         "Per case. Settings: ids, logits and weights dtypes; `stats[r]`: the call passes row r of an "
-        "[L, 3] stats buffer; `+1 shared`: one fused shared-expert column; `checksum`: a rank-check "
-        "checksum slot (column 3 of an [L, 4] table). Sigmoid cases use a "
+        "[L, 3] stats buffer and the lost-router-mass row of the serving counter table; `+1 shared`: one "
+        "fused shared-expert column; `checksum`: a rank-check checksum slot (column 3 of an [L, 4] table). "
+        "Sigmoid cases use a "
         f"correction bias and grouped restriction ({GROUPS} groups).",
         table_markdown(rows),
         "Regenerate (no GPU needed): `python benchmark/oea/gpu/compile_table.py --out <file>`.",

@@ -188,7 +188,7 @@ def case_control(case: Case, device) -> torch.Tensor:
 
 
 def run_kernel(case: Case, logits, ids, w, spec: RouterSpec, num_valid=None, workspace=None, stats=None,
-               checksum=None, control=None):
+               checksum=None, control=None, lost=None):
     """The fused kernel on one case; num_valid defaults to num_valid_arg(case). The settings are the
     case's ints (written into the workspace's control slot by every call), or `control`, a device
     control block holding them (case_control: nothing written per call, as the runtime runs it)."""
@@ -206,5 +206,6 @@ def run_kernel(case: Case, logits, ids, w, spec: RouterSpec, num_valid=None, wor
         workspace=workspace,
         stats=stats,
         checksum=checksum,
+        lost=lost,
         **settings,
     )

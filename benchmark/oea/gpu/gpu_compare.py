@@ -1,6 +1,8 @@
 """Checks 1 and 2 of gpu_check.py: the fused kernel against sglang_oea.routing.route_from_logits
-on the case grid (gpu_cases.py), with the expert counters and the rank-check checksum it writes
-(check 1), and under CUDA-graph replay with a persistent row count (check 2). Shared with
+on the case grid (gpu_cases.py), with the expert counters, the lost router mass and the rank-check
+checksum it writes (check 1), and under CUDA-graph replay with a persistent row count (check 2).
+The lost router mass is checked against a brute-force computation (Python sets, float64 sums) on
+the reference routing's output, independent of reference.lost_router_mass and of the kernel. Shared with
 test/srt/test_oea_kernel.py, which runs them in Triton's interpreter.
 """
 
@@ -21,11 +23,63 @@ def new_stats(device, layers: int = 3, layer: int = 1) -> Tuple[torch.Tensor, to
     return sums, sums[layer]
 
 
-def new_counters(device, layers: int = 3, layer: int = 1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A persistent [layers, 4] int64 table as the runtime holds it (sglang_oea.counters), the stats
-    row table[layer, :3] and the checksum slot table[layer, 3:] (8 mod 16 bytes aligned)."""
-    table = torch.zeros(layers, 4, dtype=torch.int64, device=device)
-    return table, table[layer, :3], table[layer, 3:]
+def new_counters(device, layers: int = 3, layer: int = 1):
+    """A persistent [layers, WIDTH] int64 table as the runtime holds it (sglang_oea.counters), with
+    the stats row table[layer, :3], the checksum slot table[layer, 3:4] (8 mod 16 bytes aligned)
+    and the lost row table[layer, LOST:] (one column per k0)."""
+    from sglang_oea.counters import LOST, WIDTH
+
+    table = torch.zeros(layers, WIDTH, dtype=torch.int64, device=device)
+    return table, table[layer, :3], table[layer, 3:4], table[layer, LOST:]
+
+
+def brute_force_lost_units(own_ids, own_w, new_ids, new_w, num_experts: int, rows: int) -> Tuple[int, int]:
+    """(units, rows counted): the lost router mass of the first `rows` rows, each row's share
+    rounded to the nearest 2^-20, computed with Python sets and float64 sums (not with
+    reference.lost_router_mass): own experts (ids in [0, N)) not among the row's final experts of
+    weight > 0, over all its own experts, by router weight."""
+    from sglang_oea.reference import MASS_ONE
+
+    units = 0
+    for r in range(rows):
+        final = {int(e) for e, x in zip(new_ids[r].tolist(), new_w[r].float().tolist()) if x > 0}
+        own = [(int(e), float(x)) for e, x in zip(own_ids[r].tolist(), own_w[r].float().tolist()) if 0 <= e < num_experts]
+        total = sum(x for _, x in own)
+        gone = sum(x for e, x in own if e not in final)
+        units += int(gone / total * MASS_ONE + 0.5) if total > 0 else 0
+    return units, rows
+
+
+def expected_lost(case: Case, logits, ids, w, spec: RouterSpec, nv=None) -> Tuple[int, int]:
+    """What one call adds to its lost row at k0, (units, rows counted): brute_force_lost_units of
+    the reference routing over the real rows where the gate is open; nothing otherwise."""
+    from sglang_oea.reference import batch_gate
+
+    nv = case.nv if nv is None else nv
+    rows = case.B if nv is None else min(nv, case.B)
+    if case.k0 >= case.K or case.B == 0 or not bool(batch_gate(rows, case.min_batch, case.max_batch)):
+        return 0, 0
+    ref_ids, ref_w = route_from_logits(logits, ids, w, spec, case.k0, nv, case.min_batch, case.max_batch)
+    return brute_force_lost_units(ids.cpu(), w.cpu(), ref_ids.cpu(), ref_w.cpu(), case.N, rows)
+
+
+def lost_error(case: Case, table: torch.Tensor, layer: int, want: Tuple[int, int], k0: Optional[int] = None) -> Optional[str]:
+    """None when the lost row of `layer` holds want's units at k0 (to within one unit per counted
+    row: float32 sums in another order) and zero everywhere else in the lost columns."""
+    from sglang_oea.counters import LOST
+
+    k0 = case.k0 if k0 is None else k0
+    lost = table[:, LOST:].cpu()
+    units, rows = want
+    got = int(lost[layer, k0]) if k0 < lost.shape[1] else 0
+    if abs(got - units) > rows:
+        return f"{case}: lost router mass {got} units at k0={k0}, expected {units} (+-{rows})"
+    rest = lost.clone()
+    if k0 < lost.shape[1]:
+        rest[layer, k0] = 0
+    if rest.any():
+        return f"{case}: lost router mass written outside its column: {rest.nonzero().tolist()}"
+    return None
 
 
 def expected_checksum(case: Case, logits, ids, w, spec: RouterSpec, nv=None) -> int:
@@ -111,20 +165,22 @@ def compare(case: Case, out_ids, out_w, logits, ids, w, spec: RouterSpec, nv=Non
 
 def check_case(case: Case, device="cpu") -> Optional[str]:
     """Run one case against the reference (with the expert counters if case.stats, the checksum if
-    case.checksum, both in one [L, 4] table as the runtime has them); on CUDA, also require a
-    bitwise-identical second run, which flips the counters on or off."""
+    case.checksum, the lost router mass with the stats, all in one counter table as the runtime has
+    them); on CUDA, also require a bitwise-identical second run, which flips the counters on or off."""
     import zlib
 
     gen = torch.Generator().manual_seed(SEED + zlib.crc32(str(case).encode()))
     logits, ids, w, spec = router_inputs(case, gen, device)
 
     def run(with_stats: bool):
-        table, row, slot = new_counters(device)
+        # The runtime passes the lost row wherever it passes the stats row.
+        table, row, slot, lost = new_counters(device)
         out = run_kernel(case, logits, ids, w, spec, stats=row if with_stats else None,
-                         checksum=slot if case.checksum else None)
+                         checksum=slot if case.checksum else None, lost=lost if with_stats else None)
         err = stats_error(case, table[:, :3], 1, expected_stats(case, logits, ids, w, spec) if with_stats else [0] * 3)
         want = expected_checksum(case, logits, ids, w, spec) if case.checksum else 0
-        return out, err or checksum_error(case, table, 1, want)
+        want_lost = expected_lost(case, logits, ids, w, spec) if with_stats else (0, 0)
+        return out, err or checksum_error(case, table, 1, want) or lost_error(case, table, 1, want_lost)
 
     (out_ids, out_w), stats_err = run(case.stats)
     err = compare(case, out_ids, out_w, logits, ids, w, spec) or stats_err
@@ -196,10 +252,11 @@ def _fill_order_errors(case: Case, out_ids: torch.Tensor, ref_ids: torch.Tensor,
 def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[str]]:
     """Check 2 (use_graph=False: the same sequence of calls without a graph, for the CPU).
 
-    The expert counters and the rank-check checksum are captured with the routing, into one
-    persistent [L, 4] table as the runtime holds it: after every replay the stats row must hold the
-    cumulative reference counts, and the checksum slot the cumulative (wrapping) sum of
-    reference.ids_checksum over each replay's real rows.
+    The expert counters, the lost router mass and the rank-check checksum are captured with the
+    routing, into one persistent counter table as the runtime holds it: after every replay the stats
+    row must hold the cumulative reference counts, the lost column at k0 the cumulative brute-force
+    units (one unit per counted row of tolerance), and the checksum slot the cumulative (wrapping)
+    sum of reference.ids_checksum over each replay's real rows.
 
     Returns (failures, report lines).
     """
@@ -218,13 +275,13 @@ def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[st
         logits, ids, w, spec = router_inputs(case, gen, device)
         num_valid = torch.full((1,), bucket, dtype=torch.int32, device=device)
         ws = oea.OEAWorkspace.allocate(case.N, case.K, bucket, ids.dtype, w.dtype, device)
-        table, stats_row, checksum = new_counters(device)  # persistent, captured like the runtime's table
+        table, stats_row, checksum, lost = new_counters(device)  # persistent, captured like the runtime's table
         sums = table[:, :3]
-        want_sums, want_checksum = [0, 0, 0], 0
+        want_sums, want_checksum, want_lost = [0, 0, 0], 0, (0, 0)
 
         def route():
             return run_kernel(case, logits, ids, w, spec, num_valid=num_valid, workspace=ws, stats=stats_row,
-                              checksum=checksum)
+                              checksum=checksum, lost=lost)
 
         if use_graph:
             side = torch.cuda.Stream()
@@ -258,8 +315,10 @@ def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[st
             added = expected_stats(case, logits, ids, w, spec, nv=n)
             want_sums = [a + b for a, b in zip(want_sums, added)]
             want_checksum = wrapping_sum(want_checksum, expected_checksum(case, logits, ids, w, spec, nv=n))
+            want_lost = tuple(a + b for a, b in zip(want_lost, expected_lost(case, logits, ids, w, spec, nv=n)))
             if err is None:
-                err = stats_error(case, sums, 1, want_sums) or checksum_error(case, table, 1, want_checksum)
+                err = (stats_error(case, sums, 1, want_sums) or checksum_error(case, table, 1, want_checksum)
+                       or lost_error(case, table, 1, want_lost))
             if int(ws.union.count_nonzero()) or int(ws.routed.count_nonzero()) or int(ws.counter.item()):
                 err = (err or "") + " workspace not left clean"
             statuses.append(f"{n}:{'ok' if err is None else 'FAIL'}{'' if gate_open else '(gate closed)'}")
@@ -267,5 +326,6 @@ def check_graph_replay(device: str, use_graph: bool) -> Tuple[List[str], List[st
                 failures.append(f"graph replay {case} rows={n}: {err}")
         lines.append(f"| {case.N}/{case.K} k0={case.k0} {case.scoring} gate {case.min_batch}:{case.max_batch} | "
                      + " ".join(statuses) + f"; stats (steps, T before, T after) {sums[1].tolist()}, "
+                     f"lost router mass {int(lost[case.k0])} units, "
                      f"checksum {int(table[1, 3]) & (1 << 64) - 1:#018x} |")
     return failures, lines

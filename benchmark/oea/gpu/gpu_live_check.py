@@ -9,8 +9,10 @@ As a server whose OEA settings change through POST /set_internal_state (OEARunti
      reference routing at the settings of its pass (ids exactly, weights to tolerance); k0 = 0,
      k0 >= the layer's top-k and a closed batch gate give the router's own bits. Nothing is
      recaptured, nothing compiled, no kernel launched outside the graph (on the CPU, where a replay
-     re-runs the captured calls: no variant that the warm-ups did not launch), and the accounting
-     attributes each replay to the k0 it ran with (applied_by_k0 / skipped_by_k0);
+     re-runs the captured calls: no variant that the warm-ups did not launch), the accounting
+     attributes each replay to the k0 it ran with (applied_by_k0 / skipped_by_k0), and so do the
+     lost-router-mass columns of the device counters (each open replay's units, from a brute-force
+     computation on its output, in the column of its own k0, nothing anywhere else);
   3. the overlap order: on a forward stream held up by a ~50 ms device sleep, pass N is replayed and
      its outputs copied (enqueued, not yet run), then the host requests new settings, and pass N+1
      begins (its control-block write enqueued on the forward stream) and is replayed. Pass N must
@@ -31,9 +33,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from gpu.gpu_cases import SEED, kernels
+from gpu.gpu_compare import brute_force_lost_units
 from gpu.gpu_runtime_check import (CPU_SHAPES, GPU_SHAPES, CompileWatch, GraphCapture, LaunchRecorder, Layer,
                                    Scenario, forward, forward_step, make_layers, refill, verify_layer)
 from sglang_oea.config import LiveSettings, OEAConfig
+from sglang_oea.counters import LOST
 from sglang_oea.runtime import OEARuntime
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms at ~2 GHz
@@ -132,18 +136,47 @@ def capture_once(rt: OEARuntime, graph: GraphCapture, layers, bucket: int, recor
         graph.capture(lambda: forward(rt, layers))
 
 
+def add_lost_wanted(want: dict, layers: Sequence[Layer], outputs, rows: int, k0: int) -> None:
+    """want[(layer id, k0)] += (lost router mass units, rows) of one open replay, by brute force."""
+    for layer in layers:
+        ids, weights = outputs[layer.layer_id]
+        k, n = layer.shape.top_k, layer.shape.experts
+        got = brute_force_lost_units(layer.ids[:rows, :k].cpu(), layer.weights[:rows, :k].cpu(), ids[:rows, :k].cpu(),
+                                     weights[:rows, :k].cpu(), n, rows)
+        want[(layer.layer_id, k0)] = tuple(a + b for a, b in zip(want.get((layer.layer_id, k0), (0, 0)), got))
+
+
+def lost_errors(rt: OEARuntime, start: torch.Tensor, want: dict) -> List[str]:
+    """The lost columns added since `start` against `want` (one unit per row of float32 rounding)."""
+    added = rt.counters.table[:, LOST:].cpu() - start
+    errors = []
+    for (layer, k0), (units, rows) in sorted(want.items()):
+        if abs(int(added[layer, k0]) - units) > rows:
+            errors.append(f"lost router mass of layer {layer} at k0={k0}: {int(added[layer, k0])}, expected {units}")
+        added[layer, k0] = 0
+    if added.any():
+        errors.append(f"lost router mass outside the replays' (layer, k0) columns: {added.nonzero().tolist()}")
+    return errors
+
+
 def replay_steps(rt: OEARuntime, graph: GraphCapture, layers, sc: Scenario, steps, top_k: int, gen):
     """Step 2: (failures, report cells, Counter of the expected (k0, skip reason) per replay)."""
-    failures, cells, want = [], [], Counter()
+    failures, cells, want, want_lost = [], [], Counter(), {}
+    start = rt.counters.table[:, LOST:].to("cpu", copy=True)
     for new, rows in steps:
         refill(layers, gen)
         if new is not None:
             rt.request_settings(new)
         live = rt.pending or rt.settings
-        errors = verify_pass(layers, replay_pass(rt, graph, rows, sc.bucket), rows, live, sc)
+        outputs = replay_pass(rt, graph, rows, sc.bucket)
+        errors = verify_pass(layers, outputs, rows, live, sc)
         failures += [f"{sc.name}: {e}" for e in errors]
-        want[(live.k0, expected_reason(live, rows, top_k))] += 1
+        reason = expected_reason(live, rows, top_k)
+        want[(live.k0, reason)] += 1
+        if reason is None:
+            add_lost_wanted(want_lost, layers, outputs, rows, live.k0)
         cells.append(f"k0={live.k0} {live.min_batch}..{live.max_batch} {rows}:{'ok' if not errors else 'FAIL'}")
+    failures += [f"{sc.name}: {e}" for e in lost_errors(rt, start, want_lost)]
     return failures, cells, want
 
 

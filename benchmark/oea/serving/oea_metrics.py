@@ -1,5 +1,6 @@
 """What an OEA server's /metrics says: the OEA samples around one benchmark run, the share of
-decode steps where OEA applied over an arm, and SGLang's accept length over a run.
+decode steps where OEA applied over an arm, the mean kept router mass over an arm, and SGLang's
+accept length over a run.
 
 Standard library only. The plugin exports Prometheus samples named sglang:oea_* (counters end in
 _total; gauges, such as the per-layer expert counts, hold the latest reading).
@@ -14,7 +15,7 @@ versions) are counted as they come.
 """
 
 import re
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 
 from serving.servers import http_get
 
@@ -27,6 +28,10 @@ NOT_DECODE = "not_decode"  # skip reason of prefill / extend passes: not decode 
 GENERATION_TOKENS = "sglang:generation_tokens_total"
 VERIFY_CALLS = "sglang:spec_verify_calls_total"
 SPEC_COUNTERS = (GENERATION_TOKENS, VERIFY_CALLS)
+# Kept router mass (docs/quality-signal.md): the lost mass (1 - kept) summed over routed tokens and
+# MoE layers, and the count of those token-layers, both per k0 and mode (skipped steps count 1.0 kept).
+MASS_LOST = METRIC_PREFIX + "router_mass_lost_total"
+TOKEN_LAYERS = METRIC_PREFIX + "routed_token_layers_total"
 APPLIED_DEFINITION = ("applied / (applied + skipped for every reason but not_decode), counter deltas of the "
                       "OEA server's /metrics over the arm, counting only the steps labelled with the arm's k0 "
                       "(the counters reach /metrics once per --decode-log-interval, so an earlier arm's last "
@@ -34,6 +39,13 @@ APPLIED_DEFINITION = ("applied / (applied + skipped for every reason but not_dec
 ACCEPT_DEFINITION = ("completion tokens / verify passes of the run's requests (deltas of SGLang's "
                      "sglang:generation_tokens_total and sglang:spec_verify_calls_total, counted as each request "
                      "finishes): SGLang's per-request accept length, pooled over the run")
+KEPT_MASS_DEFINITION = ("1 - lost / routed token-layers, deltas of sglang:oea_router_mass_lost_total and "
+                        "sglang:oea_routed_token_layers_total over the arm's runs, counting only the samples labelled "
+                        "with the arm's k0 (decode and verify pooled), lowest tp_rank")
+KEPT_MASS_NOTE = ("Kept router mass: per routed token and MoE layer, the share of the token's own top-k router weight "
+                  "whose experts OEA kept, averaged over every decode (and verify) step of the arm (1.0 where OEA "
+                  "changed nothing: the steps it skipped, the baseline); lower means OEA gave up more of the router's own choice. "
+                  "See docs/quality-signal.md and docs/metrics.md in sglang-oea. Computed as " + KEPT_MASS_DEFINITION)
 
 
 def scrape_oea_metrics(base_url: str) -> Optional[Dict[str, float]]:
@@ -74,6 +86,18 @@ def label_matches(labels: Dict[str, str], k0: Optional[int]) -> bool:
     return k0 is None or labels.get("k0", str(k0)) == str(k0)
 
 
+def labelled(samples: Dict[str, float], names: Sequence[str], k0: Optional[int]) -> Iterator[Tuple[str, Dict, float]]:
+    """(name, {label: value}, value) of each sample named in `names` that counts for a window run
+    at k0 (label_matches)."""
+    for key, value in samples.items():
+        match = _SAMPLE.match(f"{key} {value}")
+        if not match or match.group(1) not in names:
+            continue
+        labels = dict(_LABEL.findall(match.group(2) or ""))
+        if label_matches(labels, k0):
+            yield match.group(1), labels, value
+
+
 def step_counters(samples: Dict[str, float], k0: Optional[int] = None) -> Dict[str, Dict]:
     """Applied / skipped step counters of {"name{labels}": value} samples, per tp_rank ('' when
     unlabelled), only the steps that ran with `k0` (label_matches).
@@ -82,15 +106,9 @@ def step_counters(samples: Dict[str, float], k0: Optional[int] = None) -> Dict[s
     reason (model_name, mode) are summed over.
     """
     out: Dict[str, Dict] = {}
-    for key, value in samples.items():
-        match = _SAMPLE.match(f"{key} {value}")
-        if not match or match.group(1) not in (APPLIED, SKIPPED):
-            continue
-        labels = dict(_LABEL.findall(match.group(2) or ""))
-        if not label_matches(labels, k0):
-            continue
+    for name, labels, value in labelled(samples, (APPLIED, SKIPPED), k0):
         rank = out.setdefault(labels.get("tp_rank", ""), {"applied": 0.0, "skipped": {}})
-        if match.group(1) == APPLIED:
+        if name == APPLIED:
             rank["applied"] += value
         else:
             reason = labels.get("reason", "")
@@ -193,3 +211,61 @@ def run_experts(record: Dict) -> Optional[Dict[str, float]]:
         return None
     return {"before": metric_mean(sample, METRIC_PREFIX + "active_experts_before"),
             "after": metric_mean(sample, METRIC_PREFIX + "active_experts_after"), "ratio": ratio}
+
+
+def mass_counters(samples: Dict[str, float], k0: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+    """Kept-router-mass counters of {"name{labels}": value} samples, per tp_rank, only the samples
+    labelled with k0 (label_matches), other labels (model_name, dp_rank, mode) summed over.
+
+    Returns {rank: {"lost": float, "token_layers": float}}, only ranks that export the token-layer
+    counter (a lost-mass series not yet created counts 0).
+    """
+    out: Dict[str, Dict[str, float]] = {}
+    for name, labels, value in labelled(samples, (MASS_LOST, TOKEN_LAYERS), k0):
+        rank = out.setdefault(labels.get("tp_rank", ""), {})
+        key = "lost" if name == MASS_LOST else "token_layers"
+        rank[key] = rank.get(key, 0.0) + value
+    return {r: {"lost": c.get("lost", 0.0), "token_layers": c["token_layers"]}
+            for r, c in out.items() if "token_layers" in c}
+
+
+def mass_delta(before: Dict[str, float], after: Dict[str, float], k0: Optional[int] = None) -> Optional[Dict]:
+    """What the kept-mass counters labelled k0 grew by between two sample dicts, on the lowest
+    tp_rank: {"lost", "token_layers", "tp_rank"}; None when `after` has no such counter (a plugin
+    without kept router mass, or no step at k0 yet)."""
+    after_counts = mass_counters(after, k0)
+    rank = lowest_rank(after_counts)
+    if rank is None:
+        return None
+    old = mass_counters(before, k0).get(rank, {"lost": 0.0, "token_layers": 0.0})
+    return {"lost": after_counts[rank]["lost"] - old["lost"],
+            "token_layers": after_counts[rank]["token_layers"] - old["token_layers"], "tp_rank": rank or None}
+
+
+def kept_of(deltas: Sequence[Optional[Dict]]) -> Optional[float]:
+    """Mean kept router mass pooled over mass_delta results: 1 - sum(lost) / sum(token_layers);
+    None when none counted a token."""
+    counted = [d for d in deltas if d]
+    layers = sum(d["token_layers"] for d in counted)
+    return 1.0 - sum(d["lost"] for d in counted) / layers if layers > 0 else None
+
+
+Samples = Union[str, Dict[str, float], None]
+
+
+def kept_router_mass(before: Samples, after: Samples, k0: Optional[int] = None) -> Optional[float]:
+    """A window's mean kept router mass at k0 (KEPT_MASS_DEFINITION), from two /metrics pages or
+    sample dicts (scrape_oea_metrics) read before and after it. Only the samples labelled k0 count,
+    so another arm's late steps in the window are left out; the lowest tp_rank is read. None when a
+    page is missing, the counters are absent (a plugin without them), or no token was counted."""
+    if before is None or after is None:
+        return None
+    before, after = (oea_samples(p) if isinstance(p, str) else p for p in (before, after))
+    return kept_of([mass_delta(before, after, k0)])
+
+
+def kept_mass_in_runs(records: Sequence[Dict]) -> Optional[float]:
+    """Mean kept router mass pooled over benchmark runs (records of results.jsonl), each counted
+    from its oea_metrics_delta at its own k0 (run_k0); None when no run has the counters."""
+    return kept_of([mass_delta({}, r["oea_metrics_delta"], run_k0(r)) for r in records
+                    if r.get("oea_metrics_delta") and not r.get("error")])

@@ -15,7 +15,8 @@ Start the server with your own flags (EAGLE / MTP included) plus `--oea-k0 0 --e
 2. Throughput (trial_throughput.py): ab_serving's one-server interleaved A/B on this server, OEA
    off against each k0 set live, at every concurrency where the gate opens, repeated until each
    cell's paired ratio is resolved to +-5% or --budget-minutes is spent. Per arm: output tok/s,
-   TPOT, T per routed step, the share of steps OEA applied (by the k0 label), accept length.
+   TPOT, T per routed step, the share of steps OEA applied and the mean kept router mass (both by
+   the k0 label), accept length.
 3. Under speculative decoding, accept length per request, OEA against off paired by prompt
    (trial_quality.accept_probe): non-inferior when the lower 95% bound is above -5%.
 4. Quality (trial_quality.py), the same server: lm-evaluation-harness (--quality lm-eval) or

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from common import stats
 from serving.bench_client import BenchDriver
 from serving.live_settings import apply_settings, arm_settings, confirm_settings
-from serving.oea_metrics import applied_share
+from serving.oea_metrics import applied_share, kept_router_mass
 from serving.quality_client import fetch_text, run_arm, served_model
 from serving.quality_inputs import Item, load_prompts
 from serving.quality_report import write_report
@@ -83,13 +83,17 @@ def each_arm(url: str, k0s: Sequence[int], admin_api_key: Optional[str],
              run: Callable[[str, int], object]) -> Tuple[Dict[int, object], Dict[int, Optional[Dict]]]:
     """run(name, k0) for OEA off then every k0, each set live first (accepted on every scheduler)
     and confirmed in force after. Returns ({k0: what run returned}, {k0: the share of decode steps
-    OEA applied during it, counted by the k0 label (oea_metrics.applied_share)})."""
+    OEA applied during it, counted by the k0 label (oea_metrics.applied_share), with its mean
+    "kept_router_mass" added (oea_metrics.kept_router_mass; None without the counters)})."""
     out, applied = {}, {}
     for k0 in [0, *k0s]:
         apply_settings(url, arm_settings(k0), admin_api_key)
         before = fetch_text(url + "/metrics")
         out[k0] = run("off" if k0 == 0 else f"k0_{k0}", k0)
-        applied[k0] = applied_share(before, fetch_text(url + "/metrics"), k0)
+        after = fetch_text(url + "/metrics")
+        applied[k0] = applied_share(before, after, k0)
+        if applied[k0] is not None:
+            applied[k0]["kept_router_mass"] = kept_router_mass(before, after, k0)
         confirm_settings(url, arm_settings(k0))
     return out, applied
 

@@ -22,7 +22,7 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from common import report
-from serving.oea_metrics import ACCEPT_DEFINITION, APPLIED_DEFINITION
+from serving.oea_metrics import ACCEPT_DEFINITION, APPLIED_DEFINITION, KEPT_MASS_NOTE
 
 
 def cell_verdict(gate_open: bool, ratio: Optional[report.Spread]) -> str:
@@ -116,14 +116,16 @@ def fmt(value, spec: str = ".1f", none: str = "-") -> str:
 
 def arm_table(rows: Dict, speculative: bool) -> List[str]:
     """Markdown: one row per (concurrency, arm)."""
-    head = ["C", "arm", "repeats", "out tok/s", "median TPOT ms", "T before -> after", "OEA applied"]
+    head = ["C", "arm", "repeats", "out tok/s", "median TPOT ms", "T before -> after", "OEA applied",
+            "kept router mass"]
     head += ["accept len"] if speculative else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (conc, arm), r in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[1]["k0"] or 0)):
         t = (f"{fmt(r['t_before'])} -> {fmt(r['t_after'])}" if r["t_after"] is not None else "-")
         applied = "-" if r["applied_share"] is None else f"{r['applied_share']:.0%}"
         cells = [str(conc), arm, str(r["repeats"]), fmt(r["output_throughput"]), fmt(r["median_tpot_ms"], ".2f"), t,
-                 applied] + ([fmt(r["accept_length"], ".2f")] if speculative else [])
+                 applied, report.kept_text(r.get("kept_router_mass"))]
+        cells += [fmt(r["accept_length"], ".2f")] if speculative else []
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -163,10 +165,12 @@ def quality_lines(quality: Optional[Dict]) -> List[str]:
     for k0, q in quality["per_k0"].items():
         applied = q.get("oea_applied") or {}
         share = "-" if applied.get("share") is None else f"{applied['share']:.0%}"
+        kept = applied.get("kept_router_mass")
         lines.append(f"- k0={k0}: off {fmt(q['baseline'], '.3f')}, OEA {fmt(q['oea'], '.3f')} over {q['n']} samples; "
                      f"OEA - off {q['delta']:+.3f} [{q['low']:+.3f}, {q['high']:+.3f}]: "
                      f"{'within' if q['within'] else 'NOT within'} its bound of {q['margin']}; OEA applied in {share} "
-                     "of the arm's decode steps" + (f". {q['note']}" if q.get("note") else ""))
+                     "of the arm's decode steps" + ("" if kept is None else f", kept router mass {kept:.3f}")
+                     + (f". {q['note']}" if q.get("note") else ""))
     return lines
 
 
@@ -183,7 +187,7 @@ def render_markdown(result: Dict) -> str:
     lines += ["", "## Throughput: one server, arms interleaved, k0 set live", "",
               "Medians over repeats. T: distinct experts per MoE layer per routed step, the router's own -> after "
               "OEA (gauges after each run in which OEA applied). OEA applied: " + APPLIED_DEFINITION + "."
-              + (" Accept len: " + ACCEPT_DEFINITION + "." if spec else ""), ""]
+              + (" Accept len: " + ACCEPT_DEFINITION + "." if spec else ""), "", KEPT_MASS_NOTE + ".", ""]
     lines += arm_table({(r["concurrency"], r["arm"]): r for r in result["arms"]}, spec)
     lines += ["", "## Quality", ""] + quality_lines(result["quality"])
     lines += ["", "## Verdict", ""] + cell_table(result["cells"], result["quality"], spec)

@@ -13,7 +13,8 @@ fits). At least one block runs at every open concurrency.
 Per (concurrency, arm), from results.jsonl: output tok/s and median TPOT (medians over repeats),
 T before -> after OEA per routed step (the gauges after each run that applied OEA at its own k0;
 oea_metrics.run_experts), the share of decode steps OEA applied (pooled over the runs, counting
-only the steps labelled with the arm's k0), and under speculative decoding SGLang's accept length
+only the steps labelled with the arm's k0), the mean kept router mass (pooled over the runs, same
+attribution; oea_metrics.kept_mass_in_runs), and under speculative decoding SGLang's accept length
 (oea_metrics.accept_length_in_run).
 """
 
@@ -26,7 +27,7 @@ from common import report
 from serving import ab_serving
 from serving.bench_client import BenchClient
 from serving.live_settings import arm_settings
-from serving.oea_metrics import accept_length_in_run, run_experts
+from serving.oea_metrics import accept_length_in_run, kept_mass_in_runs, run_experts
 from serving.one_server import LiveSweep, block_order
 from serving.prompt_files import check_prompt_file, num_prompts_for, switch_warmup_prompts
 from serving.servers import log
@@ -141,5 +142,6 @@ def arm_rows(records: Sequence[dict]) -> Dict[tuple, Dict]:
             "t_before": median([e["before"] for e in experts]), "t_after": median([e["after"] for e in experts]),
             "applied_share": applied / decode if steps and decode else None,
             "applied_steps": applied if steps else None, "decode_steps": decode if steps else None,
+            "kept_router_mass": kept_mass_in_runs(runs),
             "accept_length": median([accept_length_in_run(r) for r in runs])}
     return rows

@@ -1,6 +1,7 @@
 """Fused OEA routing kernels (Triton). The pure-torch sglang_oea.routing stays the CPU path.
 
     oea_route   the two kernels, their math and shapes, and the launcher `oea_route`
+    row_counters  the per-row counters launch 2 adds (rank-check checksum, lost router mass)
     workspace   OEAWorkspace, the buffers a call writes into (preallocated for CUDA graphs)
     launch      KernelLaunch, one planned launch and the compiled variant it needs
     checks      the checks of one call's arguments (shapes, dtypes, devices: no device sync)

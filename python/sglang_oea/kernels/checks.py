@@ -14,7 +14,7 @@ MAX_TOP_K = MAX_K0  # --oea-k0 is bounded by the same number
 
 
 def check_arguments(router_logits, topk_ids, topk_weights, num_routed, scoring_func, correction_bias,
-                    num_groups, restrict_groups, stats, checksum=None) -> None:
+                    num_groups, restrict_groups, stats, checksum=None, lost=None) -> None:
     """Assert that one `oea_route` call is well formed (shapes, dtypes, devices: no device sync)."""
     assert router_logits.dim() == 2 and topk_ids.dim() == 2, f"{router_logits.shape=} {topk_ids.shape=}"
     assert topk_weights.shape == topk_ids.shape, f"{topk_weights.shape=} {topk_ids.shape=}"
@@ -37,6 +37,11 @@ def check_arguments(router_logits, topk_ids, topk_weights, num_routed, scoring_f
             f"checksum must be an int64 tensor of 1 element: {checksum.dtype=} {checksum.shape=}"
         )
         assert checksum.device == router_logits.device, f"{checksum.device=} {router_logits.device=}"
+    if lost is not None:
+        assert lost.dtype == torch.int64 and lost.numel() == MAX_K0 and lost.is_contiguous(), (
+            f"lost must be a contiguous int64 tensor of {MAX_K0} elements (one per k0): {lost.dtype=} {lost.shape=}"
+        )
+        assert lost.device == router_logits.device, f"{lost.device=} {router_logits.device=}"
     if scoring_func == "sigmoid" and correction_bias is not None:
         assert correction_bias.shape == (num_experts,) and correction_bias.is_contiguous(), f"{correction_bias.shape=}"
         assert correction_bias.device == router_logits.device, f"{correction_bias.device=}"

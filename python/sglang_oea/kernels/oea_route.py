@@ -57,6 +57,12 @@ Determinism: no floating-point atomics (the statistics are integer atomics, so t
 depend on the order either); each row's result depends only on its inputs and on U, so every TP
 rank that sees the same logits produces the same ids and weights.
 
+Optional lost router mass (`lost=`, an int64 [MAX_K0] view of a persistent buffer, one column per
+k0): where the gate is open, every valid row adds its reference.lost_router_mass in units of
+2^-20 (rounded to the nearest unit) to lost[k0], with one integer atomic; its own ids and
+weights are read in launch 2 anyway, and a closed gate skips the work. Float32 sums in another
+order than torch's may move a row's share by one unit. No extra launch.
+
 Optional rank-check checksum (`checksum=`, an int64 [1] view of a persistent buffer): launch 2
 adds reference.ids_checksum(ids[:rows, :K]) of its output ids, gate open or closed: each program
 mixes its own row and adds it with one wrapping integer atomic (order-independent). No extra launch.
@@ -80,7 +86,8 @@ This file tells the story in order: the scores and the per-row pieces (@triton.j
 two kernels, then the launcher: the plan of one call's two launches (`kernel_launches`) and
 `oea_route` itself. The workspace is OEAWorkspace (sglang_oea.kernels.workspace); a planned launch
 and the compiled variant it needs are a KernelLaunch (sglang_oea.kernels.launch); the checks of a
-call's arguments are in sglang_oea.kernels.checks.
+call's arguments are in sglang_oea.kernels.checks; the per-row checksum and lost-mass helpers are
+in sglang_oea.kernels.row_counters.
 """
 
 from typing import Callable, Optional, Tuple, Union
@@ -93,7 +100,7 @@ from triton.language.extra import libdevice
 from sglang_oea.kernels.checks import MAX_EXPERTS, MAX_TOP_K, check_arguments, check_settings
 from sglang_oea.kernels.launch import KernelLaunch
 from sglang_oea.kernels.workspace import OEAWorkspace
-from sglang_oea.reference import MIX1, MIX2, ROW_SHIFT
+from sglang_oea.kernels.row_counters import add_lost_mass, add_row_checksum
 
 # Compile options of every launch: libdevice without flush-to-zero, as nvcc (and so PyTorch)
 # links it by default; Triton's default would flush subnormal exp results to 0.
@@ -102,10 +109,6 @@ COMPILE_OPTIONS = (("enable_reflect_ftz", False),)
 # The interpreter cannot call libdevice: there exp is numpy's (chosen when this module is
 # imported, as triton.jit chooses between compiling and interpreting).
 _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
-# The checksum's constants (sglang_oea.reference.ids_checksum).
-_MIX1 = tl.constexpr(MIX1)
-_MIX2 = tl.constexpr(MIX2)
-_ROW_SHIFT = tl.constexpr(ROW_SHIFT)
 
 
 @triton.jit
@@ -142,17 +145,6 @@ def _scores(logits_ptr, bias_ptr, cols, N, SIGMOID: tl.constexpr, HAS_BIAS: tl.c
     sel = tl.where(in_row, sel, float("-inf"))
     w = tl.where(in_row, w, 0.0)
     return sel, w
-
-
-@triton.jit
-def _ids_checksum_part(ids, in_k, row):
-    """Row `row`'s share of reference.ids_checksum: the int64 sum of mix(row, id) over the ids
-    [K_PAD] where in_k. Products and sums wrap mod 2^64: Triton's integer ops carry no overflow
-    flags (LLVM mul/add without nsw wrap), its debug overflow check skips 64-bit integers, and
-    numpy's int64 arrays (the interpreter) wrap too."""
-    h = (ids.to(tl.int64) + ((row << _ROW_SHIFT) + 1)) * _MIX1
-    h = (h ^ (h >> 31)) * _MIX2
-    return tl.sum(tl.where(in_k, h, 0), axis=0)
 
 
 @triton.jit
@@ -265,16 +257,6 @@ def _oea_weights(out, active, w, cols, own_w):
 
 
 @triton.jit
-def _add_row_checksum(checksum_ptr, ids, in_k, row, valid):
-    """checksum [1] int64 += a valid row's share of ids_checksum (_ids_checksum_part). One atomic
-    per valid row, in parallel with the other rows, rather than the last program reading every
-    row's ids in the serial tail; the wrapping integer sum does not depend on the order in which
-    the rows arrive."""
-    part = _ids_checksum_part(ids, in_k, row)
-    tl.atomic_add(checksum_ptr, part, mask=valid, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _copy_shared_columns(ids_ptr, weights_ptr, out_ids_ptr, out_weights_ptr, K: tl.constexpr,
                          EXTRA: tl.constexpr, EXTRA_PAD: tl.constexpr):
     """Copy a row's fused shared-expert columns K..K + EXTRA through, gate open or closed."""
@@ -334,11 +316,12 @@ def _read_control(control_ptr, rows, rows_per_request, K: tl.constexpr):
 # serves every value (an int equal to 1 would otherwise become a compile-time constant). k0 and
 # the gate bounds are not arguments at all: they are read from the control block.
 ROUTE_DO_NOT_SPECIALIZE = ("rows_per_request",)
-# The checksum slot is a view into a [L, 4] int64 table (8 mod 16 bytes): one variant for any
-# alignment, shared by every layer (only one scalar atomic reads the pointer). The control block
+# The checksum slot is a view into the counter table (8 mod 16 bytes): one variant for any
+# alignment, shared by every layer (only one scalar atomic reads the pointer); the lost row is
+# read by one scalar atomic too. The control block
 # is read by three scalar loads: one variant whatever tensor holds it.
 UNION_DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("control_ptr",)
-ROUTE_DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("checksum_ptr", "control_ptr")
+ROUTE_DO_NOT_SPECIALIZE_ON_ALIGNMENT = ("checksum_ptr", "control_ptr", "lost_ptr")
 
 
 @triton.jit(do_not_specialize_on_alignment=UNION_DO_NOT_SPECIALIZE_ON_ALIGNMENT)
@@ -375,12 +358,12 @@ def _oea_union_kernel(
             do_not_specialize_on_alignment=ROUTE_DO_NOT_SPECIALIZE_ON_ALIGNMENT)
 def _oea_route_kernel(
     logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr, union_ptr, routed_ptr, counter_ptr, stats_ptr,
-    checksum_ptr, out_ids_ptr, out_weights_ptr, num_valid_ptr, control_ptr,
+    checksum_ptr, lost_ptr, out_ids_ptr, out_weights_ptr, num_valid_ptr, control_ptr,
     N, group_size, rows_per_request,
     stride_logits, stride_ids, stride_weights, stride_out_ids, stride_out_weights,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RESTRICT_GROUPS: tl.constexpr, STATS: tl.constexpr,
-    CHECKSUM: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, EXTRA: tl.constexpr, EXTRA_PAD: tl.constexpr,
-    N_PAD: tl.constexpr,
+    CHECKSUM: tl.constexpr, LOST: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, EXTRA: tl.constexpr,
+    EXTRA_PAD: tl.constexpr, N_PAD: tl.constexpr,
 ):
     """Launch 2: OEA ids and weights of row r = program_id, then clear U after the last row.
 
@@ -399,6 +382,7 @@ def _oea_route_kernel(
     STATS: the last program adds gate * (1, |R|, T_after) to stats [3] int64 (R from launch 1,
     T_after = max(|U|, K) if num_valid_rows >= 1 else 0) and clears R with U.
     CHECKSUM: every valid row adds its share of ids_checksum(out_ids[:, :K]) to checksum [1] int64.
+    LOST: with the gate open, every valid row adds its lost router mass (units) to lost [MAX_K0] at k0.
     """
     row = tl.program_id(0).to(tl.int64)
     rows = tl.load(num_valid_ptr).to(tl.int32)
@@ -427,7 +411,9 @@ def _oea_route_kernel(
     tl.store(out_ids_ptr + row * stride_out_ids + slots, out_ids, mask=in_k)
     tl.store(out_weights_ptr + row * stride_out_weights + slots, out_w, mask=in_k)
     if CHECKSUM:
-        _add_row_checksum(checksum_ptr, out_ids, in_k, row, valid)
+        add_row_checksum(checksum_ptr, out_ids, in_k, row, valid)
+    if LOST:
+        add_lost_mass(lost_ptr, own_ids, own_w, out_ids, out_w, in_k, k0, N, valid & gate)
     if EXTRA > 0:
         _copy_shared_columns(topk_ids_ptr + row * stride_ids, topk_weights_ptr + row * stride_weights,
                              out_ids_ptr + row * stride_out_ids, out_weights_ptr + row * stride_out_weights,
@@ -446,7 +432,8 @@ def kernel_launches(router_logits: torch.Tensor, topk_ids: torch.Tensor, topk_we
                     num_routed: Optional[int] = None, scoring_func: str = "softmax",
                     correction_bias: Optional[torch.Tensor] = None, num_groups: int = 1,
                     restrict_groups: bool = False, rows_per_request: int = 1, stats: Optional[torch.Tensor] = None,
-                    checksum: Optional[torch.Tensor] = None) -> Tuple[KernelLaunch, KernelLaunch]:
+                    checksum: Optional[torch.Tensor] = None, lost: Optional[torch.Tensor] = None,
+                    ) -> Tuple[KernelLaunch, KernelLaunch]:
     """The two launches of one `oea_route` call (arguments as there, already checked; the row count
     and the control block as device tensors), unlaunched."""
     num_rows, num_experts = router_logits.shape
@@ -483,6 +470,7 @@ def kernel_launches(router_logits: torch.Tensor, topk_ids: torch.Tensor, topk_we
             ("counter_ptr", workspace.counter),
             ("stats_ptr", workspace.counter if stats is None else stats),  # placeholder pointer without stats
             ("checksum_ptr", workspace.counter if checksum is None else checksum),  # placeholder without checksum
+            ("lost_ptr", workspace.counter if lost is None else lost),  # placeholder without lost
             ("out_ids_ptr", out_ids), ("out_weights_ptr", out_weights), ("num_valid_ptr", num_valid_rows),
             ("control_ptr", control), ("N", num_experts),
             ("group_size", num_experts // num_groups if restrict else num_experts),
@@ -491,7 +479,8 @@ def kernel_launches(router_logits: torch.Tensor, topk_ids: torch.Tensor, topk_we
             ("stride_out_ids", out_ids.stride(0)), ("stride_out_weights", out_weights.stride(0)),
         ),
         constexprs=tuple(shared.items()) + (
-            ("RESTRICT_GROUPS", restrict), ("CHECKSUM", checksum is not None), ("EXTRA", extra),
+            ("RESTRICT_GROUPS", restrict), ("CHECKSUM", checksum is not None), ("LOST", lost is not None),
+            ("EXTRA", extra),
             ("EXTRA_PAD", triton.next_power_of_2(max(extra, 1))),
         ),
         do_not_specialize=ROUTE_DO_NOT_SPECIALIZE,
@@ -522,7 +511,7 @@ def oea_route(router_logits: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
               control: Optional[torch.Tensor] = None, rows_per_request: int = 1,
               workspace: Optional[OEAWorkspace] = None, stats: Optional[torch.Tensor] = None,
               checksum: Optional[torch.Tensor] = None, before_launch: Optional[Callable[[KernelLaunch], None]] = None,
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
+              lost: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gated OEA routing from logits; same result as sglang_oea.routing.route_from_logits.
 
     Args:
@@ -556,14 +545,19 @@ def oea_route(router_logits: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         checksum: None, or an int64 tensor of 1 element on the logits' device (any alignment, e.g.
             counters[layer, 3:4] of a persistent [L, 4] buffer). The call adds
             reference.ids_checksum(ids[:, :K], rows), gate open or closed (wrapping integer atomics).
-            A call that launches nothing (an int k0 >= K, or B == 0) adds nothing to stats or checksum.
+        lost: None, or a contiguous int64 tensor of MAX_K0 elements on the logits' device (e.g. a
+            layer's lost row of sglang_oea.counters). With the gate open, the call adds at [k0] the
+            sum over the valid rows of reference.lost_router_mass in units of 2^-20 (each row rounded
+            to the nearest unit; within one unit of reference.lost_router_mass_units per row).
+            A call that launches nothing (an int k0 >= K, or B == 0) adds nothing to stats, checksum
+            or lost.
         before_launch: called with each KernelLaunch before it runs (routers.TritonRouter records
             the compiled variants before graph capture with it, and refuses unseen ones during it).
     Returns:
         ids [B, C] (topk_ids dtype) and weights [B, C] (topk_weights dtype).
     """
     check_arguments(router_logits, topk_ids, topk_weights, num_routed, scoring_func, correction_bias,
-                    num_groups, restrict_groups, stats, checksum)
+                    num_groups, restrict_groups, stats, checksum, lost)
     check_settings(k0, control, rows_per_request, router_logits.device)
     if control is None and k0 >= (topk_ids.shape[1] if num_routed is None else num_routed):
         return topk_ids, topk_weights
@@ -576,7 +570,7 @@ def oea_route(router_logits: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     for launch in kernel_launches(
         router_logits, topk_ids, topk_weights, control=control, num_valid_rows=rows, workspace=workspace, num_routed=num_routed, scoring_func=scoring_func,
         correction_bias=correction_bias, num_groups=num_groups, restrict_groups=restrict_groups,
-        rows_per_request=rows_per_request, stats=stats, checksum=checksum,
+        rows_per_request=rows_per_request, stats=stats, checksum=checksum, lost=lost,
     ):
         if before_launch is not None:
             before_launch(launch)

@@ -2,9 +2,11 @@
 intervals are tested in test_common_stats.py), the measures of studies/quality_learned.py (the
 trained-model study; no server), then both arms on real servers.
 
-The server tests start one CPU server at a time (2 cores): the baseline arm is saved once and
-reused (--baseline-from) by the OEA server's runs; that server differs only in its --oea-* flags,
-and its second run's k0 is set live.
+The server tests share one CPU server (a start costs a minute or more on 2 cores), started at
+k0 = top-k (a no-op): both arms on it at once with a noise-floor rerun, all identical; that
+baseline arm is saved and reused (--baseline-from) after k0 1 is set live, which diverges. That
+k0 >= top-k equals plain SGLang is test_live_settings.py's and test_speculative.py's; a report
+whose OEA server exports no counters is checked without a server below.
 
 The tiny model has a checkpoint with real random weights (tiny_model --random-weights) instead of
 --load-format dummy: dummy weights are uniform in +-1e-3 for every tensor, norms included, so the
@@ -17,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from random import Random
 
 import pytest
@@ -251,6 +252,10 @@ def test_baseline_counters_are_flagged_only_when_oea_applied():
     assert qs.build_report(items, {**base, "oea_steps": steps}, oea)["warnings"] == []
     warned = qs.build_report(items, {**base, "oea_steps": {**steps, "applied_steps": 3.0}}, oea)["warnings"]
     assert warned == ["OEA applied in 3 decode steps of the baseline arm: is OEA really off there?"]
+    plain = qs.build_report(items, base, {**oea, "oea_steps": None})  # an OEA "arm" without the plugin
+    assert plain["oea_applied"] is None
+    assert plain["warnings"] == ["the OEA server exports no OEA counters (start it with --enable-metrics): "
+                                 "oea_applied is null"]
 
 
 def test_script_exits_nonzero_on_bad_line(tmp_path):
@@ -360,10 +365,10 @@ def prompts(tmp_path_factory):
     return write_lines(tmp_path_factory.mktemp("quality_prompts") / "sums.jsonl", arithmetic_prompts(NUM_PROMPTS))
 
 
-@contextmanager
-def serve_url(tmp_path_factory, model, *flags, plugins=True):
-    """A cpu_serve server's base URL, with the flags every server of this file shares."""
-    with serve(tmp_path_factory, model, *COMMON_FLAGS, *flags, plugins=plugins) as (base, _):
+@pytest.fixture(scope="module")
+def oea_url(tmp_path_factory, model):
+    """The one server's base URL: OEA started at k0 = top-k (a no-op), min-batch 1."""
+    with serve(tmp_path_factory, model, *COMMON_FLAGS, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as (base, _):
         yield base
 
 
@@ -377,11 +382,10 @@ def run_tool(prompts, out, *arms):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, model, prompts):
-    """Plain SGLang against itself (with a noise-floor rerun); its saved baseline arm and report."""
+def baseline(tmp_path_factory, prompts, oea_url):
+    """The server at k0 = top-k against itself (with a noise-floor rerun); its saved baseline arm and report."""
     out = tmp_path_factory.mktemp("quality_baseline")
-    with serve_url(tmp_path_factory, model, plugins=False) as url:
-        report = run_tool(prompts, out, "--base-url", url, "--oea-url", url, "--noise-floor")
+    report = run_tool(prompts, out, "--base-url", oea_url, "--oea-url", oea_url, "--noise-floor")
     return {"arm": str(out / "arm_baseline.json"), "report": report, "out": out}
 
 
@@ -410,23 +414,16 @@ def test_same_server_in_both_arms_is_identical(baseline):
     for section in (report["agreement"], report["noise_floor"]):
         assert section["identical_share"] == 1.0 and section["token_agreement"] == 1.0
         assert section["first_divergence"]["count"] == 0
-    assert report["oea_applied"] is None
-    assert any("no OEA counters" in w for w in report["warnings"])
+    assert report["oea_applied"] is not None and not report["oea_applied"]["applied_steps"], "counters, none applied"
+    assert not report["warnings"]
 
 
 @server
-def test_k0_top_k_is_identical_then_k0_1_diverges(tmp_path_factory, model, prompts, baseline):
-    """One OEA server: started at k0 = top-k (a no-op), then k0 1 at min-batch 2 set live."""
-    out = tmp_path_factory.mktemp("quality_k0_8")
-    with serve_url(tmp_path_factory, model, "--oea-k0", str(TOP_K), "--oea-min-batch", "1") as url:
-        report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
-        check_report_structure(report, out)
-        assert report["agreement"]["identical_share"] == 1.0
-        assert report["agreement"]["token_agreement"] == 1.0
-        assert report["oea_applied"] is None or not report["oea_applied"]["applied_steps"]
-        set_live(url, oea_k0=1, oea_min_batch=2)
-        out = tmp_path_factory.mktemp("quality_k0_1")
-        report = run_tool(prompts, out, "--oea-url", url, "--baseline-from", baseline["arm"])
+def test_k0_1_set_live_diverges_from_the_saved_baseline(tmp_path_factory, prompts, baseline, oea_url):
+    """k0 1 at min-batch 2 set live on the same server; the baseline arm comes from its file."""
+    set_live(oea_url, oea_k0=1, oea_min_batch=2)
+    out = tmp_path_factory.mktemp("quality_k0_1")
+    report = run_tool(prompts, out, "--oea-url", oea_url, "--baseline-from", baseline["arm"])
     check_report_structure(report, out)
     agreement = report["agreement"]
     assert agreement["identical_share"] < 1 and agreement["token_agreement"] < 1
