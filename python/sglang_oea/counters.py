@@ -9,7 +9,7 @@ forward pass (and so inside captured CUDA graphs):
                     column is chosen on the device from the control block's k0, so a captured
                     graph files every step under the k0 it ran with, across live changes.
 Nothing ever resets it: the host works with differences between snapshots. Each snapshot also
-carries a host payload taken with it (the runtime's routed tokens by mode and k0), so that the
+carries a host payload taken with it (the runtime's routed tokens by k0), so that the
 host's counts and the device's cover the same passes.
 
 Why snapshots. Under SGLang's overlap scheduler the forward pass of batch N is launched on the

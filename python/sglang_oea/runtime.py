@@ -126,7 +126,6 @@ class OEARuntime:
     skipped_steps = _read_through("accounts", "skipped_steps", "reason -> skipped steps, over all pass modes.")
     applied_by_k0 = _read_through("accounts", "applied_by_k0", "(pass mode, k0) -> steps whose ids OEA rewrote.")
     skipped_by_k0 = _read_through("accounts", "skipped_by_k0", "(pass mode, k0, reason) -> steps without OEA.")
-    tokens_by_k0 = _read_through("accounts", "tokens_by_k0", "k0 -> real token rows of the routed steps counted.")
     layers = _read_through("layer_router", "layers", "(layer id, id(TopKConfig)) -> the layer's routing.")
 
     @property
