@@ -14,7 +14,8 @@ rows (requests x draft tokens in verify), since the union's coverage of the expe
 rows. Eager passes are gated on the host (`skip_reason`); graph passes on the device at replay,
 from the settings' device control block (`row_bounds` gives the same bounds in rows), and a graph
 bucket whose every batch is outside the startup envelope is captured without routing
-(`bucket_may_open`).
+(`bucket_may_open`). Which pass modes are routed at all (`mode_skip_reason`: decode, and the
+target's verify passes unless --oea-verify is off) is decided in one place for both.
 """
 
 from dataclasses import dataclass, field
@@ -89,15 +90,23 @@ class StepInfo:
         return max(1, self.num_rows // self.requests) if self.requests else 1
 
 
+def mode_skip_reason(verify: bool, mode: str) -> Optional[str]:
+    """Why no pass of `mode` is ever routed on this server, or None when its passes may be.
+    verify: --oea-verify. Fixed at startup: the one place that decides which modes OEA routes, read
+    by the host gate of eager passes and by the capture of graph passes alike."""
+    if mode == VERIFY and not verify:
+        return SKIP_VERIFY
+    return None if mode in ROUTED_MODES else SKIP_NOT_DECODE
+
+
 def skip_reason(settings: LiveSettings, verify: bool, mode: str, requests: int, rows: int) -> Optional[str]:
     """Why the host gate keeps OEA off this pass, or None when it may apply. verify: --oea-verify.
     The floor counts requests (a verify pass of one request routes one sequence's draft tokens);
     the cap counts token rows (requests x draft tokens in verify), where the union's coverage is
     decided. k0 >= the layer's top-k is found per layer (PassTally.noop), not here."""
-    if mode == VERIFY and not verify:
-        return SKIP_VERIFY
-    if mode not in ROUTED_MODES:
-        return SKIP_NOT_DECODE
+    reason = mode_skip_reason(verify, mode)
+    if reason is not None:
+        return reason
     if settings.k0 == 0:
         return SKIP_OFF
     if requests < settings.min_batch:
@@ -121,8 +130,9 @@ def bucket_may_open(cfg: OEAConfig, step: StepInfo, graph_buckets: Sequence[int]
 
     A bucket serves batches of (the previous bucket, this bucket] requests (SGLang pads a batch up
     to the smallest bucket that holds it); with the runner's bucket list unknown, of [1, bucket].
+    A pass of a mode this server never routes (verify passes under --oea-verify off) may never open.
     """
-    if step.requests < cfg.min_batch:
+    if mode_skip_reason(cfg.verify, step.mode) is not None or step.requests < cfg.min_batch:
         return False
     smaller = [b for b in graph_buckets if b < step.requests]
     fewest = max(max(smaller) + 1 if smaller else 1, cfg.min_batch)  # the fewest it may route

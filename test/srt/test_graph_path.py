@@ -17,6 +17,7 @@ the fused kernel behind the runtime (`test_graph_path_through_the_fused_kernel_i
 The kernel-only tests check that nothing is compiled or allocated inside capture.
 """
 
+import dataclasses
 import importlib
 import os
 import pytest
@@ -39,11 +40,19 @@ kernel_only = pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter 
 
 
 class Capture:
-    """Forces `is_capturing` on while `on` is set."""
+    """Forces `is_capturing` on while `on` is set. `settings` keeps, per captured graph, the host
+    settings its capture pass saw: a real graph replays what its capture recorded, host values
+    included, so the simulated replay re-runs the Python path with those, not with the settings in
+    force (which only the device control block carries into a real replay)."""
 
     def __init__(self, monkeypatch):
         self.on = False
+        self.settings = {}
         monkeypatch.setattr(runtime_module, "is_capturing", lambda tensor: self.on)
+
+    @staticmethod
+    def key(rt, mode, bucket, per_request):
+        return id(rt), mode, bucket, per_request
 
 
 @pytest.fixture
@@ -60,6 +69,7 @@ def capture_bucket(rt, capture, inputs, bucket, config, mode=DECODE, per_request
     """As DecodeCudaGraphRunner.capture_one_shape: capture-mode context, two warm-ups, capture.
     bucket counts requests; a verify graph has per_request (draft tokens) rows for each."""
     previous = rt.begin_step(mode, bucket * per_request, graph=True, requests=bucket)
+    capture.settings[capture.key(rt, mode, bucket, per_request)] = rt.step.settings
     try:
         for _ in range(2):
             run_layers(rt, inputs, config)
@@ -73,14 +83,16 @@ def capture_bucket(rt, capture, inputs, bucket, config, mode=DECODE, per_request
 
 def replay(rt, capture, inputs, bucket, real, config, mode=DECODE, per_request=1, while_running=None):
     """One step served by the bucket's graph: the step's forward context (`real` requests), the
-    real token rows set before the replay, the captured Python path re-run with them, the bucket
-    noted after. while_running: called once the step has begun (what the host does meanwhile)."""
+    real token rows set before the replay, the captured Python path re-run with them and with the
+    host settings of its capture (Capture.settings), the bucket noted after. while_running: called
+    once the step has begun (what the host does meanwhile)."""
     previous = rt.begin_step(mode, real * per_request, requests=real)
     try:
         if while_running is not None:
             while_running()
         rt.set_replay_rows(real * per_request)
         graph_step = rt.begin_step(mode, bucket * per_request, graph=True, outermost=False, requests=bucket)
+        rt.step = dataclasses.replace(rt.step, settings=capture.settings[capture.key(rt, mode, bucket, per_request)])
         capture.on = True
         out = run_layers(rt, inputs, config)
         capture.on = False
@@ -204,6 +216,23 @@ def test_buckets_outside_the_gate_are_captured_without_routing(capture, mode, pe
     inputs = {layer: router_inputs(16 * per_request, seed=16) for layer in LAYERS}
     assert all(o is None for o in replay(rt, capture, inputs, 16, 12, CONFIG, mode, per_request).values())
     assert rt.skipped == {(mode, "above_max_batch"): 1}
+
+
+def test_verify_graphs_hold_no_routing_under_verify_off(capture):
+    """--oea-verify off: a verify graph is captured with no routing in it (bucket 4 of 4 draft
+    tokens, inside every gate), its replays keep the router's ids and weights, nothing lands in the
+    counters, and the accounting files the steps as target_verify with their tokens' router mass
+    kept whole."""
+    rt = OEARuntime(OEAConfig(k0=3, min_batch=2, verify=False), speculative=True)
+    rt.graph_buckets = (1, 2, 4)
+    inputs = {layer: router_inputs(VERIFY_BUCKET * DRAFTS, seed=10 + layer) for layer in LAYERS}
+    assert all(o is None for o in capture_bucket(rt, capture, inputs, VERIFY_BUCKET, CONFIG, VERIFY, DRAFTS).values())
+    for requests in (3, 4):
+        out = replay(rt, capture, inputs, VERIFY_BUCKET, requests, CONFIG, mode=VERIFY, per_request=DRAFTS)
+        assert all(o is None for o in out.values()), "a verify replay rewrote ids under --oea-verify off"
+    assert rt.device is None, "nothing was routed, so no routing state was made"
+    assert rt.skipped == {(VERIFY, "target_verify"): 2} and rt.applied_steps == 0
+    assert rt.accounts.tokens_by_k0 == {3: 7 * DRAFTS}, "their tokens count as keeping all their router mass"
 
 
 def test_verify_replays_are_counted_as_verify_steps(captured_verify):

@@ -184,6 +184,24 @@ def test_a_forward_rerun_inside_a_replay_routes_as_the_graph(monkeypatch, mode_n
     assert rt.applied == {mode: 1} and not rt.skipped
 
 
+def test_verify_off_holds_through_graph_capture_and_a_forward_rerun(monkeypatch):
+    """--oea-verify off, with CUDA graphs: the verify bucket's capture pass (SGLang's capture mode)
+    routes nothing, and a --debug-cuda-graph re-run of the forward inside its replay leaves the ids
+    alone; the step is filed as target_verify."""
+    rt = OEARuntime(OEAConfig(k0=K0, min_batch=2, verify=False), speculative=True)
+    monkeypatch.setattr(hooks, "_runtime", rt)
+    logits, ids, weights = router_inputs(4 * DRAFTS, seed=8)
+    padded = forward_batch("TARGET_VERIFY", 4, 4 * DRAFTS)
+    route = lambda: rt.route(ids, weights, CONFIG, logits, 0)  # noqa: E731
+    monkeypatch.setattr(hooks, "capture_mode_active", lambda: True)
+    assert hooks.graph_capture_hook(lambda runner: forward(padded, route), runner_of(False)) is None
+    monkeypatch.setattr(hooks, "capture_mode_active", lambda: False)
+    real = forward_batch("TARGET_VERIFY", 3, 3 * DRAFTS)
+    rerun = lambda runner, batch: forward(padded, route)  # noqa: E731
+    assert forward(real, lambda: hooks.graph_execute_hook(rerun, types.SimpleNamespace(bs=4), real)) is None
+    assert rt.device is None and rt.skipped == {(VERIFY, "target_verify"): 1} and not rt.applied
+
+
 def test_startup_line_says_whether_verify_passes_are_routed():
     assert hooks.speculative_note(OEAConfig(k0=K0), None) == ""
     assert "NGRAM: verify passes routed" in hooks.speculative_note(OEAConfig(k0=K0), "NGRAM")
