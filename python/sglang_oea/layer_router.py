@@ -124,18 +124,21 @@ class LayerRouter:
         """Run the chosen router on one layer; count distinct experts and fold the checksum if the
         router did not. None when OEA is off for this routing shape (under --oea-kernel auto on
         CUDA, the kernel failed its self-check on some rank, or cannot run)."""
+        counters = state.counters
+        stats_row = counters.stats_row(layer) if state.stats else None
+        lost = counters.lost_row(layer) if state.stats else None
+        checksum = counters.checksum_slot(layer) if state.checksums else None
+        # The routing shape names the counter arguments this call passes: each selects a compiled
+        # kernel variant, and the startup self-check runs the one named.
         router = self.routers.router_for(info.slot, logits, ids, weights, info.spec, info.num_routed,
-                                         state.stats, capturing, checksum=state.checksums)
+                                         stats_row is not None, capturing, checksum=checksum is not None,
+                                         lost=lost is not None)
         if router is None:
             step.tally.kernel_off = True
             return None
         rows, lo, hi, control = self.row_count(step, state, router.name, graph)
-        counters = state.counters
         if counters is not None:
             counters.note_layer(layer)
-        stats_row = counters.stats_row(layer) if state.stats else None
-        lost = counters.lost_row(layer) if state.stats else None
-        checksum = counters.checksum_slot(layer) if state.checksums else None
         phase = CAPTURE if capturing else WARMUP if graph else EAGER
         per_request = step.rows_per_request
         new_ids, new_weights, counted = router(info.slot, logits, ids, weights, info.spec, step.settings.k0,

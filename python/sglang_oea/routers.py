@@ -213,9 +213,9 @@ class TritonRouter:
 
 
 def routing_shape(logits, ids, weights, spec: RouterSpec, num_routed: int, stats: bool,
-                  checksum: bool = False) -> RoutingShape:
+                  checksum: bool = False, lost: bool = False) -> RoutingShape:
     return RoutingShape(logits.shape[1], num_routed, ids.shape[1], spec_key(spec), logits.dtype, ids.dtype,
-                        weights.dtype, stats, checksum)
+                        weights.dtype, stats, checksum, lost)
 
 
 class RouterChoice:
@@ -254,7 +254,7 @@ class RouterChoice:
         return kernels.is_available(device)
 
     def router_for(self, slot: int, logits, ids, weights, spec: RouterSpec, num_routed: int, stats: bool,
-                   capturing: bool, checksum: bool = False):
+                   capturing: bool, checksum: bool = False, lost: bool = False):
         """The router for this call: TorchRouter, TritonRouter, or None when OEA is off for its
         routing shape (--oea-kernel auto on CUDA and the kernel failed its self-check on some rank:
         keep the router's own ids, count nothing). Decided at the first call of each routing shape,
@@ -262,11 +262,13 @@ class RouterChoice:
         may route int64 ids in a torch.compile bucket and int32 ids elsewhere.
 
         Args:
-            stats, checksum: whether calls pass stats= / checksum= (part of the routing shape).
+            stats, checksum, lost: whether calls pass stats= / checksum= / lost= (part of the
+                routing shape: each selects a compiled kernel variant, and the self-check runs
+                the one named here).
         """
         key = (slot, logits.dtype, ids.dtype, weights.dtype)
         if key not in self.by_slot:
-            shape = routing_shape(logits, ids, weights, spec, num_routed, stats, checksum)
+            shape = routing_shape(logits, ids, weights, spec, num_routed, stats, checksum, lost)
             if shape not in self.decisions:
                 self.decisions[shape] = self.decide_first(shape, spec, logits, capturing)
             self.by_slot[key] = self.by_name[self.decisions[shape][0]]
@@ -334,17 +336,19 @@ class RouterChoice:
     def kernel_trial(self, spec: RouterSpec, num_routed: int, k0: Optional[int] = None):
         """The kernel launched as TritonRouter launches it (settings read from a device control
         block holding k0, min_batch 1, max_batch 0: those the torch path is compared under), on a
-        scratch workspace per trial. k0: default trial_k0 of the startup k0."""
+        scratch workspace per trial, with the counter arguments (stats, checksum, lost) that
+        run_self_check passes for the routing shape: the compiled variant that serves it.
+        k0: default trial_k0 of the startup k0."""
         from sglang_oea import kernels
 
         k0 = trial_k0(self.k0, num_routed) if k0 is None else k0
 
-        def route(logits, ids, weights, rows, stats, checksum):
+        def route(logits, ids, weights, rows, stats, checksum, lost):
             ws = kernels.OEAWorkspace.allocate(logits.shape[1], ids.shape[1], logits.shape[0], ids.dtype,
                                                weights.dtype, logits.device)
             control = torch.tensor([k0, 1, 0], dtype=torch.int32).to(logits.device)
             return launch_kernel(logits, ids, weights, spec, k0, num_routed, rows, 1, 0, ws, stats,
-                                 checksum=checksum, control=control)
+                                 checksum=checksum, control=control, lost=lost)
         return route
 
     def status(self) -> Dict[Tuple[str, str], int]:

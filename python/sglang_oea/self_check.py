@@ -5,8 +5,14 @@ capture: random router inputs with this model's exact N, K, shared-expert column
 (softmax, or sigmoid with this layer's correction bias and group restriction) and dtypes, at a
 few batch sizes, one of them with padded rows. It passes when the kernel's ids equal the torch
 path's exactly and its weights agree within WEIGHT_TOLERANCE (with counting on, its distinct-expert
-counters equal reference.distinct_experts; with the rank check on, the checksum it folds in equals
-reference.ids_checksum of the torch path's ids).
+counters equal reference.distinct_experts and its lost router mass, filed under k0 alone, is within
+one unit per row of reference.lost_router_mass_units; with the rank check on, the checksum it folds
+in equals reference.ids_checksum of the torch path's ids).
+
+The kernel is launched with the counter arguments the routing shape names (stats=, lost=,
+checksum=), as serving launches that shape: each is a compile-time constant of the kernel (STATS,
+LOST, CHECKSUM), so the self-check compiles and checks the very variant that will serve, and a
+compile error there is a failed self-check rather than a raise at the first CUDA-graph warm-up.
 
 It runs with a k0 that exercises the kernel whatever the startup --oea-k0 is (0, armed but off,
 or >= top-k, a no-op): live settings may later set any k0 (`trial_k0`). The kernel reads it from a
@@ -20,7 +26,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from sglang_oea.reference import batch_gate, distinct_experts, ids_checksum
+from sglang_oea.config import MAX_K0
+from sglang_oea.reference import batch_gate, distinct_experts, ids_checksum, lost_router_mass_units
 from sglang_oea.routing import RouterSpec, route_from_logits, score_experts
 
 # (rows, real rows) per trial: a single row, padded rows, a full batch.
@@ -37,7 +44,8 @@ class RoutingShape:
 
     num_experts: N; num_routed: K; num_columns: K + fused shared-expert columns.
     stats: the call adds distinct-expert counters (stats=); checksum: it folds the rank-check
-    checksum of its ids in (checksum=).
+    checksum of its ids in (checksum=); lost: it adds its lost router mass (lost=). Each selects
+    a kernel constexpr (STATS, CHECKSUM, LOST): the caller names exactly the arguments it passes.
     """
 
     num_experts: int
@@ -49,6 +57,7 @@ class RoutingShape:
     weights_dtype: torch.dtype
     stats: bool
     checksum: bool = False
+    lost: bool = False
 
     def describe(self) -> str:
         scoring, has_bias, groups, restrict = self.spec_key
@@ -88,9 +97,24 @@ def trial_inputs(shape: RoutingShape, spec: RouterSpec, rows: int, gen: torch.Ge
     return logits, ids.contiguous(), w.contiguous()
 
 
+def compare_lost(shape: RoutingShape, k0: int, real: int, ids, w, got_ids, got_w, lost: torch.Tensor) -> Optional[str]:
+    """None when the kernel filed its lost router mass under k0 alone, within one unit per real row
+    of reference.lost_router_mass_units of its own output (the kernel rounds each row, the
+    reference the sum; the ids and weights themselves are compared before), else what differed."""
+    k = shape.num_routed
+    got = lost.cpu()
+    want = int(lost_router_mass_units(ids[:, :k], w[:, :k], got_ids[:, :k], got_w[:, :k], shape.num_experts, real))
+    elsewhere = [col for col in got.nonzero().flatten().tolist() if col != k0]
+    if elsewhere:
+        return f"lost router mass filed under k0={elsewhere}, expected k0={k0} only"
+    if abs(int(got[k0]) - want) > real:
+        return f"lost router mass {int(got[k0])} units, expected {want} (+-{real})"
+    return None
+
+
 def compare_trial(shape: RoutingShape, spec: RouterSpec, k0: int, rows: int, real: int, logits, ids, w,
                   got_ids, got_w, stats: Optional[torch.Tensor],
-                  checksum: Optional[torch.Tensor] = None) -> Optional[str]:
+                  checksum: Optional[torch.Tensor] = None, lost: Optional[torch.Tensor] = None) -> Optional[str]:
     """None when the kernel's output of one trial matches the torch path, else what differed."""
     k = shape.num_routed
     want_ids, want_w = route_from_logits(logits, ids[:, :k], w[:, :k], spec, k0, real)
@@ -119,6 +143,10 @@ def compare_trial(shape: RoutingShape, spec: RouterSpec, k0: int, rows: int, rea
         got_sum, want_sum = (int(t) & (1 << 64) - 1 for t in (checksum.cpu()[0], ids_checksum(want_ids, real)))
         if got_sum != want_sum:
             return f"{where}: ids checksum {got_sum:#018x}, expected {want_sum:#018x}"
+    if lost is not None:
+        error = compare_lost(shape, k0, real, ids, w, got_ids, got_w, lost)
+        if error is not None:
+            return f"{where}: {error}"
     return None
 
 
@@ -127,9 +155,10 @@ def run_self_check(kernel_route, shape: RoutingShape, spec: RouterSpec, k0: int,
     """None when every trial passes, else one line saying what differed (or what raised).
 
     Args:
-        kernel_route: `kernel_route(logits, ids, weights, rows_tensor, stats, checksum) -> (ids, weights)`,
-            the fused kernel exactly as the runtime launches it (1-element int32 row count; stats a
-            [3] int64 tensor or None; checksum a [1] int64 tensor or None, per the shape).
+        kernel_route: `kernel_route(logits, ids, weights, rows_tensor, stats, checksum, lost) -> (ids,
+            weights)`, the fused kernel exactly as the runtime launches it (1-element int32 row
+            count; stats a [3] int64 tensor, checksum a [1] int64 tensor, lost a [MAX_K0] int64
+            tensor, each None where the shape says the call does not pass it).
     """
     gen = torch.Generator().manual_seed(seed)
     for rows, real in trials:
@@ -139,9 +168,10 @@ def run_self_check(kernel_route, shape: RoutingShape, spec: RouterSpec, k0: int,
             logits, ids, w = trial_inputs(shape, spec, rows, gen, device)
             stats = torch.zeros(3, dtype=torch.int64, device=device) if shape.stats else None
             checksum = torch.zeros(1, dtype=torch.int64, device=device) if shape.checksum else None
+            lost = torch.zeros(MAX_K0, dtype=torch.int64, device=device) if shape.lost else None
             real_rows = torch.full((1,), real, dtype=torch.int32, device=device)
-            got_ids, got_w = kernel_route(logits, ids, w, real_rows, stats, checksum)
-            error = compare_trial(shape, spec, k0, rows, real, logits, ids, w, got_ids, got_w, stats, checksum)
+            got_ids, got_w = kernel_route(logits, ids, w, real_rows, stats, checksum, lost)
+            error = compare_trial(shape, spec, k0, rows, real, logits, ids, w, got_ids, got_w, stats, checksum, lost)
         except Exception as exc:
             first_line = (str(exc).strip().splitlines() or [""])[0]
             error = f"B={rows} ({real} real): {type(exc).__name__}: {first_line}"

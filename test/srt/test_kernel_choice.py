@@ -9,6 +9,7 @@ test_graph_path.py runs it through the same choice (and requires its self-check 
 import importlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -52,7 +53,7 @@ def torch_kernel(logits, ids, weights, spec, k0, num_routed, rows, min_batch, ma
 
         units = lost_router_mass_units(ids[:, :num_routed], weights[:, :num_routed], new_ids[:, :num_routed],
                                        new_weights[:, :num_routed], logits.shape[1], rows)
-        lost[k0 if control is None else int(control[0])] += units * gate
+        lost[k0 if control is None else int(control[0])] += (units * gate).sum()  # gate [1] with a tensor row count
     return new_ids, new_weights
 
 
@@ -69,6 +70,22 @@ def wrong_checksum(*args, checksum=None, **kwargs):
     out = torch_kernel(*args, checksum=checksum, **kwargs)
     if checksum is not None:
         checksum.add_(1)
+    return out
+
+
+def lost_filed_elsewhere(*args, lost=None, **kwargs):
+    """Right ids, weights and amount, but the lost mass filed under k0 + 1."""
+    out = torch_kernel(*args, lost=lost, **kwargs)
+    if lost is not None:
+        lost.copy_(lost.roll(1))
+    return out
+
+
+def lost_off_by_rows(*args, lost=None, **kwargs):
+    """The lost mass one unit per real row plus one too high: more than the kernel's rounding."""
+    out = torch_kernel(*args, lost=lost, **kwargs)
+    if lost is not None:
+        lost[3] += int(args[6]) + 1  # args[6]: the real rows
     return out
 
 
@@ -303,15 +320,15 @@ def test_launcher_hands_stats_and_checksum_to_the_kernel(monkeypatch):
     assert seen[1]["checksum"] is checksum and seen[1]["stats"] is stats
 
 
-def shape_of(checksum=False, stats=False, ids_dtype=torch.int32):
+def shape_of(checksum=False, stats=False, ids_dtype=torch.int32, lost=False):
     return RoutingShape(NUM_EXPERTS, TOP_K, TOP_K, spec_key(SPEC), torch.float32, ids_dtype, torch.float32, stats,
-                        checksum)
+                        checksum, lost)
 
 
 def standin_route(kernel_fn, factor=1.0):
-    def route(logits, ids, weights, rows, stats, checksum):
+    def route(logits, ids, weights, rows, stats, checksum, lost):
         new_ids, new_weights = kernel_fn(logits, ids, weights, SPEC, 3, TOP_K, rows, 1, 0, None, stats,
-                                         checksum=checksum)
+                                         checksum=checksum, lost=lost)
         return new_ids, new_weights * factor
     return route
 
@@ -328,6 +345,21 @@ def test_self_check_compares_the_checksum_when_the_shape_has_one():
     assert run_self_check(standin_route(wrong_checksum), shape_of(checksum=False), SPEC, 3, "cpu") is None
     error = run_self_check(standin_route(wrong_checksum), shape_of(checksum=True), SPEC, 3, "cpu")
     assert error is not None and error.startswith("B=1 (1 real): ids checksum")
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lost_filed_elsewhere, r"B=1 \(1 real\): lost router mass filed under k0=\[4\], expected k0=3 only"),
+    (lost_off_by_rows, r"B=1 \(1 real\): lost router mass (\d+) units, expected (\d+) \(\+-1\)"),
+], ids=["filed-under-another-k0", "off-by-more-than-rounding"])
+def test_self_check_compares_the_lost_mass_when_the_shape_has_it(broken, message):
+    """Serving passes lost= with the counts on: the lost mass must sit under k0 alone, within one
+    unit per real row of the reference (the kernel rounds each row, the reference the sum)."""
+    assert run_self_check(standin_route(torch_kernel), shape_of(stats=True, lost=True), SPEC, 3, "cpu") is None
+    assert run_self_check(standin_route(broken), shape_of(stats=True, lost=False), SPEC, 3, "cpu") is None
+    error = run_self_check(standin_route(broken), shape_of(stats=True, lost=True), SPEC, 3, "cpu")
+    match = re.fullmatch(message, error or "")
+    assert match is not None, error
+    assert not match.groups() or int(match[1]) == int(match[2]) + 2
 
 
 def test_a_failing_trial_setup_is_a_failed_self_check_not_a_raise(monkeypatch):
@@ -440,7 +472,7 @@ def test_interpreted_kernel_folds_the_checksum():
     assert counted is True and torch.equal(got.long(), want)
     assert int(checksum) == int(ids_checksum(want, 5))
     choice = RouterChoice("auto", 3)
-    shape = shape_of(checksum=True, stats=True)
+    shape = shape_of(checksum=True, stats=True, lost=True)  # the variant that serves with the counts on
     assert run_self_check(choice.kernel_trial(SPEC, TOP_K), shape, SPEC, 3, "cpu") is None
 
 
