@@ -30,7 +30,9 @@ detokenizer, get none of them: sglang_oea.routing_scope):
                                                for it when the outermost pass ends.
   Scheduler.__init__                   AFTER   logs the settings and the kernel choice; metrics.
   SchedulerMetricsReporter.report_decode_stats  BEFORE  exports metrics once per log interval and
-                                                 hands SGLang's 'Decode batch' line an OEA summary.
+                                                 hands SGLang's 'Decode batch' line an OEA summary
+                                                 (a metrics failure is logged once, never raised);
+                                                 runs the rank check when due.
   DecodeCudaGraphRunner.execute        AROUND  sets the device scalar of real token rows before a
                                                decode- or verify-graph replay.
   DecodeCudaGraphRunner.capture        AROUND  mark the draft model's graph captures and forward
@@ -60,9 +62,9 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from sglang_oea import flags, live_settings, routing_scope, startup_checks
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
-from sglang_oea.passes import verify_cap_problem
 from sglang_oea.rank_check import RankCheck
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime, graph_capture_active
+from sglang_oea.startup_checks import speculative_note, startup_state  # the startup line's words
 
 logger = logging.getLogger("sglang_oea")
 
@@ -303,13 +305,6 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     metrics.attach(runtime, scheduler)
 
 
-def startup_state(k0: int, shape: Any) -> str:
-    """The startup line's word on whether OEA routes (shape: the model's MoEShape, or None)."""
-    if k0 == 0:
-        return 'armed, off (k0=0) until POST /set_internal_state {"server_args": {"oea_k0": K0}} turns it on'
-    return "no-op (k0 >= top-k)" if shape and k0 >= shape.top_k else "on"
-
-
 def attach_rank_check(runtime: OEARuntime) -> None:
     """The --oea-check-ranks guard over this rank's tensor-parallel group (the ranks that route
     the same batch), once the groups exist."""
@@ -318,23 +313,6 @@ def attach_rank_check(runtime: OEARuntime) -> None:
 
         group = get_tp_group()
         runtime.rank_check = RankCheck(runtime.cfg.check_ranks, group.cpu_group, group.world_size)
-
-
-def speculative_note(cfg: OEAConfig, algorithm: Any, widths: Tuple[int, ...] = ()) -> str:
-    """The startup line's word on speculative decoding ('' without it). widths: the draft tokens
-    per request of the verify passes the server runs (startup_checks.verify_widths), when known."""
-    if not algorithm:
-        return ""
-    if not cfg.verify:
-        return f"; speculative {algorithm}: verify passes not routed (--oea-verify off), so OEA applies nowhere"
-    note = f"; speculative {algorithm}: verify passes routed (rows = requests x draft tokens)"
-    if widths and cfg.max_batch:
-        admitted = ", ".join(f"{cfg.max_batch // w} requests of {w} draft tokens" for w in widths)
-        note += f", at most {admitted} under the cap"
-        warning = verify_cap_problem(cfg.min_batch, cfg.max_batch, widths)[1]
-        if warning:
-            note += f"; {warning}"
-    return note
 
 
 def forward_mode_of(forward_batch: Any) -> str:
@@ -475,22 +453,26 @@ def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
     """After every decode step, on every rank in step: the rank check when due; on SGLang's
     decode-log steps, publish OEA's counters just before it logs 'Decode batch'. Both read the
     counters through a snapshot that every rank took at the end of the same routed pass (under the
-    overlap scheduler the next pass is already running here: see sglang_oea.counters)."""
+    overlap scheduler the next pass is already running here: see sglang_oea.counters).
+
+    The metrics are contained (a bug there is logged once and costs a metric, never the scheduler
+    loop this runs in). The rank check is not: a divergence means wrong outputs and stops the
+    server by design, and a rank that skipped the check's collective would leave the others
+    waiting in it."""
     if _runtime is None:
         return
+    from sglang_oea import metrics
+
     step = reporter.forward_ct_decode
     check = _runtime.rank_check
-    check_due = check is not None and check.due(step)
-    report_due = step % reporter.decode_log_interval == 0
-    if not (check_due or report_due):
-        return
-    snapshot = _runtime.read_snapshot()
-    if check_due and snapshot is not None:
-        check.check(snapshot, step)
-    if report_due:
-        from sglang_oea import metrics
-
-        metrics.report(_runtime, snapshot)
+    snapshot = None
+    if check is not None and check.due(step):
+        snapshot = _runtime.read_snapshot()
+        if snapshot is not None:
+            check.check(snapshot, step)
+    with metrics.contained("the OEA metrics report"):
+        if step % reporter.decode_log_interval == 0:
+            metrics.report(_runtime, snapshot if snapshot is not None else _runtime.read_snapshot())
 
 
 # ----------------------------------------------------------------------------- live settings

@@ -12,7 +12,7 @@ here, lazily, so it picks up the multiprocess directory SGLang set before spawni
     sglang:oea_routed_token_layers_total{model_name,tp_rank,mode,k0}     routed tokens x MoE layers counted
     sglang:oea_decode_steps_applied_total{model_name,tp_rank,mode,k0}          mode: decode or verify
     sglang:oea_decode_steps_skipped_total{model_name,tp_rank,mode,reason,k0}   mode: decode, verify or other
-    sglang:oea_k0{model_name,tp_rank}          the live settings in force (sglang_oea.live_settings)
+    sglang:oea_k0{model_name,tp_rank}          the live settings last accepted (sglang_oea.live_settings)
     sglang:oea_min_batch{model_name,tp_rank}
     sglang:oea_max_batch{model_name,tp_rank}   0 = no cap
     sglang:oea_kernel_info{model_name,tp_rank,kernel,self_check}   routing shapes per (router, result)
@@ -27,9 +27,19 @@ Expert counts are averaged over the steps (decode or verify) where OEA applied b
 snapshots (sglang_oea.counters): each report covers the routed passes up to the second-newest one.
 The step counters' k0 label is the k0 each step ran with (the settings can change while the server
 runs). The counters reach /metrics only at decode-log steps, so steps that ran just before a change
-can appear after it: they are told apart by that label, never by when they appear. The settings
-gauges are set when a change is accepted (every pass from the next one on routes with it) and at
-each report.
+can appear after it: they are told apart by that label, never by when they appear.
+
+The settings gauges follow one rule, whoever writes them (the settings listener when a change is
+accepted, every report, the export at startup): they show the settings last accepted, pending or
+in force (requested_settings), which every pass from the next one on runs with. They never show
+the settings of passes that already ran: the counters' k0 label does. So a report that runs while
+a change is pending (accepted during the pass that finishes the last batch) leaves them alone.
+
+Nothing here may stop the scheduler: the report and the settings listener run inside SGLang's
+scheduler loop. Each piece runs `contained` (an exception is logged once, with its traceback, and
+costs that piece); an increment that is not finite or is negative never reaches a Prometheus
+counter (prometheus_client raises on it), and an interval whose lost router mass cannot be right
+is skipped; each with one warning line. (The rank check is not a metric: sglang_oea.hooks.)
 
 Kept router mass (reference.lost_router_mass): per routed token and MoE layer, the share of the
 token's own routed weight whose experts OEA kept, 1.0 where OEA changed nothing. Every real token
@@ -40,6 +50,8 @@ give the last report interval's mean; 1 - rate(lost) / rate(token_layers) gives 
 """
 
 import logging
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -50,12 +62,40 @@ from sglang_oea.runtime import DECODE, ROUTED_MODES, VERIFY, OEARuntime
 
 logger = logging.getLogger("sglang_oea")
 
-# The live settings in force: LiveSettings field -> the gauge's help (sglang:oea_<field>).
+# The live settings last accepted: LiveSettings field -> the gauge's help (sglang:oea_<field>).
 SETTING_GAUGES = (
-    ("k0", "The k0 in force (0 = OEA off)"),
-    ("min_batch", "The batch gate's floor in force, in requests"),
-    ("max_batch", "The batch gate's cap in force, in routed token rows (0 = no cap)"),
+    ("k0", "The k0 last accepted, which every pass from the next one on runs with (0 = OEA off)"),
+    ("min_batch", "The batch gate's floor last accepted, in requests"),
+    ("max_batch", "The batch gate's cap last accepted, in routed token rows (0 = no cap)"),
 )
+
+_logged: set = set()  # what the metrics path has already logged a failure or a warning for
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning(message, *args)
+
+
+@contextmanager
+def contained(piece: str):
+    """Run one piece of OEA's metrics path so that a bug in it costs that piece, never the
+    scheduler: an exception is logged once per piece, with its traceback, and goes no further."""
+    try:
+        yield
+    except Exception:  # the scheduler loop must survive a metrics bug: logged, not raised
+        if piece not in _logged:
+            _logged.add(piece)
+            logger.exception("sglang-oea: %s failed; OEA's metrics miss what it would have published, and "
+                             "serving goes on (logged once)", piece)
+
+
+def requested_settings(runtime: OEARuntime) -> LiveSettings:
+    """What the settings gauges show: the settings last accepted (the pending change, else those
+    in force)."""
+    pending = runtime.pending
+    return runtime.settings if pending is None else pending
 
 
 @dataclass
@@ -90,7 +130,8 @@ class KeptMass:
 
 def kept_mass_between(newer: Optional[Snapshot], older: Optional[Snapshot], layers: Sequence[int]) -> List[KeptMass]:
     """The kept router mass of the steps between two snapshots (older None = since the start), per
-    k0 that counted tokens there. layers: the MoE layers OEA routes (runtime.moe_layers)."""
+    k0 that counted tokens there. layers: the MoE layers OEA routes (runtime.moe_layers). A k0
+    whose counts cannot be right (plausible_loss) is left out, with one warning line."""
     if newer is None or newer.host is None or not layers:
         return []
     counted_before = older.host if older is not None and older.host is not None else {}
@@ -102,8 +143,22 @@ def kept_mass_between(newer: Optional[Snapshot], older: Optional[Snapshot], laye
             continue
         # k0 = MAX_K0 has no column: it covers every top-k, so the gate never opened with it.
         per_layer = {layer: int(lost[layer, k0]) if k0 < MAX_K0 and layer < lost.shape[0] else 0 for layer in layers}
-        parts.append(KeptMass(k0, tokens, per_layer))
+        if plausible_loss(k0, tokens, per_layer):
+            parts.append(KeptMass(k0, tokens, per_layer))
     return parts
+
+
+def plausible_loss(k0: int, tokens: int, lost: Dict[int, int]) -> bool:
+    """Whether every layer lost between none and all of its `tokens` tokens' router mass (units).
+    Anything else means a count went wrong (a router weight that is not finite, say): that k0's
+    kept mass of the interval is skipped, with one warning line."""
+    bad = {layer: units for layer, units in lost.items() if not 0 <= units <= tokens * MASS_ONE}
+    if bad:
+        layer, units = next(iter(bad.items()))
+        warn_once("lost_router_mass", "sglang-oea: skipped the kept router mass at k0=%d for one report interval: "
+                  "layer %d lost %d units over %d tokens (allowed 0 to %d); a lost-mass counter went wrong. "
+                  "Logged once.", k0, layer, units, tokens, tokens * MASS_ONE)
+    return not bad
 
 
 class PrometheusExport:
@@ -156,13 +211,15 @@ class PrometheusExport:
                 self.after.labels(**self.labels, layer=str(layer)).set(after / steps)
             self.ratio.labels(**self.labels).set(float(layers[:, 2].sum() / layers[:, 1].sum()))
         for (mode, k0), count in runtime.applied_by_k0.items():
-            self.applied.labels(**self.labels, mode=mode, k0=str(k0)).inc(self.new_counts((mode, k0), count))
+            self.add(self.applied.labels(**self.labels, mode=mode, k0=str(k0)), self.new_counts((mode, k0), count),
+                     "sglang:oea_decode_steps_applied_total")
         for (mode, k0, reason), count in runtime.skipped_by_k0.items():
-            self.skipped.labels(**self.labels, mode=mode, reason=reason, k0=str(k0)).inc(
-                self.new_counts((mode, k0, reason), count))
-        self.publish_settings(runtime.settings)
+            self.add(self.skipped.labels(**self.labels, mode=mode, reason=reason, k0=str(k0)),
+                     self.new_counts((mode, k0, reason), count), "sglang:oea_decode_steps_skipped_total")
+        self.publish_settings(requested_settings(runtime))
         if runtime.rank_check is not None:
-            self.rank_checks.labels(**self.labels).inc(runtime.rank_check.checks - self.exported_checks)
+            self.add(self.rank_checks.labels(**self.labels), runtime.rank_check.checks - self.exported_checks,
+                     "sglang:oea_rank_checks_total")
             self.exported_checks = runtime.rank_check.checks
         for (kernel, result), shapes in runtime.routers.status().items():
             self.kernel.labels(**self.labels, kernel=kernel, self_check=result).set(shapes)
@@ -170,15 +227,27 @@ class PrometheusExport:
     def publish_kept(self, mode: str, kept: Sequence[KeptMass]) -> None:
         for part in kept:
             labels = dict(self.labels, mode=mode, k0=str(part.k0))
-            self.lost.labels(**labels).inc(part.lost_mass)
-            self.token_layers.labels(**labels).inc(part.token_layers)
+            self.add(self.lost.labels(**labels), part.lost_mass, "sglang:oea_router_mass_lost_total")
+            self.add(self.token_layers.labels(**labels), part.token_layers, "sglang:oea_routed_token_layers_total")
             self.kept.labels(**labels).set(part.kept)
             for layer in part.lost:
                 self.layer_kept.labels(**labels, layer=str(layer)).set(part.layer_kept(layer))
 
     def publish_settings(self, settings: LiveSettings) -> None:
+        """The settings gauges' one writer; callers pass requested_settings (see the module docstring)."""
         for field, gauge in self.settings.items():
             gauge.labels(**self.labels).set(getattr(settings, field))
+
+    @staticmethod
+    def add(series: Any, amount: float, name: str) -> None:
+        """series.inc(amount) when amount is finite and >= 0. A counter never goes down, and
+        prometheus_client raises on a negative increment inside the scheduler loop: such an amount
+        means a count went wrong, and is skipped with one warning line per metric."""
+        if math.isfinite(amount) and amount >= 0:
+            series.inc(amount)
+            return
+        warn_once(name, "sglang-oea: skipped an increment of %s by %r (not finite, or negative); "
+                  "that interval is missing from it. Logged once.", name, amount)
 
     def new_counts(self, key: tuple, count: int) -> int:
         """How much of a runtime counter is not exported yet (and mark it exported)."""
@@ -217,14 +286,20 @@ def attach(runtime: OEARuntime, scheduler: Any) -> None:
     if not getattr(server_args, "enable_metrics", False):
         return
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    _export = PrometheusExport(str(name), runtime.rank, runtime.settings, runtime.speculative, runtime.dp_rank)
+    _export = PrometheusExport(str(name), runtime.rank, requested_settings(runtime), runtime.speculative,
+                               runtime.dp_rank)
     follow_settings(runtime, _export)
 
 
 def follow_settings(runtime: OEARuntime, export: PrometheusExport) -> None:
     """The settings gauges move when a live change is accepted on this rank, not only at the next
-    decode-log step: an operator who changes k0 sees it at once, on an idle server too."""
-    runtime.settings_listeners.append(export.publish_settings)
+    decode-log step: an operator who changes k0 sees it at once, on an idle server too. The
+    listener runs inside the live-settings handler: a failure here must not fail the change."""
+    def publish(_new: LiveSettings) -> None:
+        with contained("the settings gauges"):
+            export.publish_settings(requested_settings(runtime))
+
+    runtime.settings_listeners.append(publish)
 
 
 def summary(runtime: OEARuntime, layers: Optional[Any], kept: Sequence[KeptMass] = ()) -> str:
@@ -277,9 +352,12 @@ def report(runtime: OEARuntime, snapshot: Optional[Snapshot]) -> None:
     global _reported
     layers, kept = None, []
     if runtime.cfg.stats and snapshot is not None:
-        layers = stats_between(snapshot, _reported)
-        kept = kept_mass_between(snapshot, _reported, runtime.moe_layers())
-        _reported = snapshot
+        older, _reported = _reported, snapshot  # a failure below costs this interval, never counts it twice
+        with contained("reading OEA's device counters"):
+            layers = stats_between(snapshot, older)
+            kept = kept_mass_between(snapshot, older, runtime.moe_layers())
     if _export is not None:
-        _export.publish(runtime, layers, kept)
-    _decode_line.pending = summary(runtime, layers, kept)
+        with contained("the OEA Prometheus export"):
+            _export.publish(runtime, layers, kept)
+    with contained("the OEA summary of the 'Decode batch' line"):
+        _decode_line.pending = summary(runtime, layers, kept)

@@ -174,7 +174,8 @@ def opportunistic_weights(
     Returns:
         [B, K] float32 weights; 0 on inactive slots and on rows whose active scores sum to 0.
     """
-    picked = weight_scores.float().gather(1, ids) * active
+    # Selection, not a product with the mask: a padded row's scores may hold anything (NaN x 0 = NaN).
+    picked = torch.where(active, weight_scores.float().gather(1, ids), 0.0)
     total = picked.sum(dim=1, keepdim=True)
     scale = row_sums.float()[:, None] / total.clamp_min(torch.finfo(torch.float32).tiny)
     return torch.where(total > 0, picked * scale, torch.zeros_like(picked))
@@ -260,7 +261,7 @@ def ids_checksum(ids: torch.Tensor, rows: RowCount = None) -> torch.Tensor:
     h = (ids.long() + offsets[:, None]) * MIX1
     h = (h ^ (h >> 31)) * MIX2
     if rows is not None:
-        h = h * valid_row_mask(num_rows, rows, device)[:, None]
+        h = torch.where(valid_row_mask(num_rows, rows, device)[:, None], h, 0)
     return h.sum()
 
 
@@ -298,10 +299,15 @@ def lost_router_mass_units(own_ids: torch.Tensor, own_weights: torch.Tensor, new
                            new_weights: torch.Tensor, num_experts: int, rows: RowCount = None) -> torch.Tensor:
     """0-d int64: the sum over the first `rows` rows of lost_router_mass, in units of 2^-MASS_BITS
     rounded to the nearest unit (the device counters' column). The fused kernel rounds each row
-    and the torch path the sum, so the two agree to within one unit per row."""
+    and the torch path the sum, so the two agree to within one unit per row.
+
+    Rows are left out by selection, never by a product with a mask: a padded row of a graph pass
+    holds whatever its buffer held, and one NaN there (NaN x 0 = NaN) would turn the sum into
+    -2^63 in the layer's counter for good. (A real row with a weight that is not finite has no
+    share; the metrics skip an interval whose counts cannot be right: sglang_oea.metrics.)"""
     share = lost_router_mass(own_ids, own_weights, new_ids, new_weights, num_experts)
     if isinstance(rows, torch.Tensor):
-        share = share * valid_row_mask(own_ids.shape[0], rows, own_ids.device)
+        share = torch.where(valid_row_mask(own_ids.shape[0], rows, own_ids.device), share, 0.0)
     elif rows is not None:
         share = share[:rows]
     return (share.sum() * MASS_ONE).round().long()

@@ -11,6 +11,8 @@ only later:
   `TopK.bind_runner_backend` then makes the layer's top-k output BYPASSED: the MoE kernel routes
   from the raw logits and no topk_ids exist for OEA to rewrite. Only the built layers tell.
 Every refusal raises ValueError with one line naming the setting and what fixes it.
+The startup line's verdicts come from here too (startup_state, speculative_note): whether OEA
+routes, and which verify passes it routes under speculative decoding.
 """
 
 import logging
@@ -134,3 +136,27 @@ def check_built_model(model_runner: Any) -> None:
     backend = get_moe_runner_backend()
     check_topk_formats(model_runner.model, model_runner.model_config.quantization,
                        str(getattr(backend, "value", backend)))
+
+
+def startup_state(k0: int, shape: Any) -> str:
+    """The startup line's word on whether OEA routes (shape: the model's MoEShape, or None)."""
+    if k0 == 0:
+        return 'armed, off (k0=0) until POST /set_internal_state {"server_args": {"oea_k0": K0}} turns it on'
+    return "no-op (k0 >= top-k)" if shape and k0 >= shape.top_k else "on"
+
+
+def speculative_note(cfg: OEAConfig, algorithm: Any, widths: Tuple[int, ...] = ()) -> str:
+    """The startup line's word on speculative decoding ('' without it). widths: the draft tokens
+    per request of the verify passes the server runs (verify_widths), when known."""
+    if not algorithm:
+        return ""
+    if not cfg.verify:
+        return f"; speculative {algorithm}: verify passes not routed (--oea-verify off), so OEA applies nowhere"
+    note = f"; speculative {algorithm}: verify passes routed (rows = requests x draft tokens)"
+    if widths and cfg.max_batch:
+        admitted = ", ".join(f"{cfg.max_batch // w} requests of {w} draft tokens" for w in widths)
+        note += f", at most {admitted} under the cap"
+        warning = verify_cap_problem(cfg.min_batch, cfg.max_batch, widths)[1]
+        if warning:
+            note += f"; {warning}"
+    return note
