@@ -198,3 +198,24 @@ def test_smoke_run_on_a_trained_model(tmp_path):
     assert "## Decision" in (out / "results.md").read_text()
     with pytest.raises(SystemExit):  # --count not a multiple of the largest B
         signal_study.main(["--count", "6", "--batches", "4", "--out-dir", str(out)])
+
+
+def test_settings_baseline_ranks_by_k0_and_batch():
+    """signal_baselines: the settings-only predictor k0 + 0.5 log2(B) against the NLL increase, per
+    model and pooled, beside the exported signals read from the study's block means."""
+    from studies import signal_baselines as sb
+
+    cells = []
+    for model, scale in (("m1", 1.0), ("m2", 3.0)):
+        for k0 in (1, 2, 3):
+            for batch in (4, 16):
+                cost = scale / (k0 + 0.5 * math.log2(batch))  # falls with the settings score
+                # kept mass rises with k0 only: it cannot tell the two batch sizes apart
+                kept = {"mass_kept": [0.1 * k0] * 4, sb.T_RATIO: [0.5 * k0 + batch / 64] * 4}
+                cells.append({"model": model, "k0": k0, "batch": batch, "block_nll": [cost] * 4, "block_mean": kept})
+    got = sb.correlations(cells, resamples=50)
+    assert got[sb.SETTINGS]["m1"]["rho"] == pytest.approx(1.0) and got[sb.SETTINGS]["m2"]["rho"] == pytest.approx(1.0)
+    assert got["mass_kept"]["m1"]["rho"] < 1.0, "ties within a k0 rank below the settings"
+    assert set(got[sb.SETTINGS]) == {"m1", "m2", "m1+m2"}
+    assert got[sb.SETTINGS]["m1+m2"]["rho"] < 1.0, "the two models' costs differ at the same settings"
+    assert "| `k0 + 0.5 log2(B)`" in sb.markdown(got, "results.json")
