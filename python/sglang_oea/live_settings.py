@@ -9,7 +9,8 @@
       One bool per data-parallel replica (--dp-size N: [true, true]). SGLang's DP controller sends
       the request to every replica, and each checks it on its own: against the same startup
       flags and the same settings, since every earlier request reached every replica in the same
-      order. So all replicas accept it or all refuse it ([true, true] or [false, false]).
+      order. So all replicas accept it or all refuse it ([true, true] or [false, false]); a request
+      that also carries SGLang's own keys is refused by every replica (see below).
     GET /server_info -> internal_states[i]["oea"] = {"k0", "min_batch", "max_batch" (in force),
                         "pending" (requested, not yet reached a pass), "envelope" (the startup gate),
                         "verify" (--oea-verify), "kernel" (the routing path and its self-check),
@@ -33,6 +34,11 @@ and numeric strings into integers before any handler sees them; other strings an
 refused there (HTTP 400). One request is applied whole or not at all: SGLang validates every key
 before it applies any, and the OEA keys are checked together. These keys are not ServerArgs
 fields: they never enter SGLang's config override.
+A request that mixes oea_* keys with SGLang's own keys is refused whole (check_not_mixed), on
+every rank and replica alike: some of SGLang's keys are checked against each replica's own state
+(pp_max_micro_batch_size against its max_running_requests, the DFlash accept threshold against
+its active requests), so such a request could pass on some replicas and not others, with no
+rollback. Sent apart, each request is all or none on its own.
 
 SGLang side (`SchedulerInternalStateController`, hooked by sglang_oea.hooks in scheduler processes):
     _update_handlers     adds one handler per key: validate (rules above), apply (request the
@@ -46,7 +52,7 @@ import json
 import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from sglang_oea.config import MAX_BATCH, MAX_K0, LiveSettings, OEAConfig, check_batch_window, require_int
 from sglang_oea.passes import verify_cap_problem
@@ -62,6 +68,9 @@ MEANING = {"oea_k0": " (0 = OEA off)", "oea_min_batch": "", "oea_max_batch": " (
 LIVE_NAMES = ("oea_min_batch", "oea_max_batch")
 NOT_INSTALLED = ("OEA is not installed on this server (it was started without --oea-k0); start the server "
                  "with --oea-k0 0 to arm OEA without turning it on")
+SEND_APART = ("the oea_* keys cannot share a request with other keys: data-parallel replicas check some of "
+              "SGLang's keys against their own state, so one request could change some replicas and not others; "
+              "send the oea_* keys and the others in separate requests")
 WHY_ENVELOPE = ("CUDA graphs were captured without OEA routing for batch sizes outside the startup window; "
                 "restart with a wider --oea-min-batch / --oea-max-batch to widen it")
 
@@ -129,6 +138,18 @@ def oea_part(request: Mapping[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in request.items() if key in LIVE_KEYS}
 
 
+def check_not_mixed(keys: Mapping[str, Any], others: Sequence[str]) -> None:
+    """A request's OEA keys may not come with other keys (see SEND_APART). Raises SettingRefused.
+
+    Args:
+        keys: {POST key: value}, the request's OEA keys.
+        others: the request's other keys, in request order.
+    """
+    if others:
+        raise SettingRefused(f"sglang-oea: refused {json.dumps(dict(keys))} sent with {', '.join(others)}: "
+                             f"{SEND_APART}; nothing changed")
+
+
 def state_of(runtime: Any) -> Dict[str, Any]:
     """internal_states[i]["oea"] of /server_info: the settings in force, the pending change if
     any, the startup envelope, --oea-verify, and the routing kernel (kernel_state)."""
@@ -162,9 +183,11 @@ def kernel_state(runtime: Any) -> Dict[str, Any]:
 
 @dataclass
 class _Request:
-    """One /set_internal_state request in a scheduler: its OEA keys and what they leave in force."""
+    """One /set_internal_state request in a scheduler: its OEA keys, its other keys (refused with
+    them: check_not_mixed) and what the OEA keys leave in force."""
 
     keys: Dict[str, Any]
+    others: Tuple[str, ...] = ()
     new: Optional[LiveSettings] = None
     applied: bool = False
 
@@ -174,9 +197,10 @@ _request: Optional[_Request] = None
 
 @contextmanager
 def whole_request(server_args: Mapping[str, Any]) -> Iterator[None]:
-    """While SGLang handles one request: the handlers see all of its OEA keys."""
+    """While SGLang handles one request: the handlers see all of its keys."""
     global _request
-    previous, _request = _request, _Request(oea_part(server_args))
+    others = tuple(key for key in server_args if key not in LIVE_KEYS)
+    previous, _request = _request, _Request(oea_part(server_args), others)
     try:
         yield
     finally:
@@ -213,12 +237,13 @@ def refuse_not_installed(key: str, value: Any) -> None:
 
 
 def request_of(runtime: Any, key: str, value: Any) -> _Request:
-    """The request being handled, its OEA keys checked together once; outside set_internal_state
-    (a caller of the controller's handlers other than SGLang's), this key alone. Raises SGLang's
-    UpdateRejected."""
+    """The request being handled, its OEA keys checked together once (and refused with any other
+    key); outside set_internal_state (a caller of the controller's handlers other than SGLang's),
+    this key alone. Raises SGLang's UpdateRejected."""
     request = _request if _request is not None and key in _request.keys else _Request({key: value})
     if request.new is None:
         try:
+            check_not_mixed(request.keys, request.others)
             request.new = check_request(runtime.pending or runtime.settings, request.keys, runtime.cfg,
                                         runtime.verify_widths)
         except SettingRefused as exc:

@@ -6,8 +6,13 @@ layer). transformers' float32 greedy decoding of held-out prompts is the referen
 
 Two servers, one at a time (2 cores), each shared by the assertions it can serve; OEA settings
 change between assertions through /set_internal_state:
-- TP=1 with EAGLE, the checkpoint's own MTP layer as the draft (DeepseekV3ForCausalLMNextN), the
-  shared expert as its own MLP (SGLang's default here): speculative greedy output equals
+- TP=1 with EAGLE, the checkpoint's own MTP layer as the draft (DeepseekV3ForCausalLMNextN), and
+  --disable-shared-experts-fusion: the shared expert runs as its own MLP and the top-k holds the 8
+  routed columns only, as GLM-5-NVFP4 is served on RTX PRO 6000 (SM120), MTP included. SGLang's
+  routed-expert capture is on (--enable-return-routed-experts): for one request, the experts
+  returned for every decode position are those its verify passes ran, the router's with OEA off
+  and OEA's at k0=1, as --oea-dump-router-logits recorded them, and OEA's are the definition's
+  (sglang_oea.reference) over the 8 routed columns. Speculative greedy output equals
   transformers' with OEA at k0 >= top-k and off; k0=1 changes it; the OpenAI endpoints answer;
   under concurrent requests OEA applies in the target's verify passes only, never in the draft's
   passes nor in draft extend, and SGLang's accept length stays between 1 and the draft tokens.
@@ -15,10 +20,12 @@ change between assertions through /set_internal_state:
   speculative decoding: transformers' greedy output at k0 >= top-k and off, k0=1 changes it, then
   OEA applied under load with both ranks' routing compared every step.
 
-The hook that makes MLA run on the `torch_native` backend (sglang_oea/cpu/mla.py) is unit-tested
-here too; the servers and transformers' tokens are what show it right.
+The harness hooks these servers need are unit-tested here too: MLA on the `torch_native` backend
+(sglang_oea/cpu/mla.py; the servers and transformers' tokens are what show it right) and the
+routed-expert capture's host buffer, unpinned on the CPU (sglang_oea/cpu/capture.py).
 """
 
+import base64
 import json
 import os
 import re
@@ -32,6 +39,7 @@ from test_server_e2e import (TRAINED_DIR, accept_lengths, complete, concurrent, 
 
 MODEL = os.path.join(TRAINED_DIR, "deepseek_v3_stdlib")
 TOP_K, NUM_EXPERTS, MOE_LAYERS = 8, 256, ("1", "2", "3")  # layer 0 is dense
+LAYERS = 4  # num_hidden_layers: SGLang returns routed experts for every layer, zeros for the dense one
 FP32 = ("--dtype", "float32")
 METRICS = ("--enable-metrics", "--decode-log-interval", "1")
 DRAFTS = 4  # 3 MTP draft steps, top-1: a chain of 4 draft tokens per request and step
@@ -75,15 +83,34 @@ def test_torch_native_runs_mla_absorbed(chosen):
     assert absorbed_on_torch_native(mla, fake_mla_layer("torch_native"), None) == AttnForwardMethod.MLA
 
 
+def test_routed_expert_capture_gets_an_unpinned_host_buffer_on_the_cpu():
+    """The harness hook that lets --enable-return-routed-experts start on the CPU: SGLang's host
+    allocation, asked for pinned memory as the capture asks, with pin_memory turned off."""
+    import torch
+    from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator, alloc_with_host_register
+
+    from sglang_oea.cpu.capture import unpinned
+
+    args, kwargs = unpinned((5, LAYERS, TOP_K), dtype=torch.int32, device="cpu", pin_memory=True,
+                            allocator=HostTensorAllocator())
+    assert alloc_with_host_register(*args, **kwargs).shape == (5, LAYERS, TOP_K)
+    assert unpinned((5,), torch.int32, "cpu", True, None) == (((5,), torch.int32, "cpu", False, None), {})
+
+
 # ----------------------------------------------------------------------------- TP=1, EAGLE with the MTP draft
 
 
 @pytest.fixture(scope="module")
 def eagle_run(tmp_path_factory, deepseek):
-    """One EAGLE server with OEA armed: the identity checks, the endpoints, then k0 2 from 2
-    requests: a lone request (below the floor), then 8 concurrent ones, /metrics around."""
-    flags = (*FP32, *METRICS, *EAGLE, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
+    """One EAGLE server with OEA armed, the shared expert unfused and routed-expert capture on: one
+    request's returned experts with OEA off and at k0=1 (first, while the router dump records its
+    first 32 routed steps), the identity checks, the endpoints, then k0 2 from 2 requests: a lone
+    request (below the floor), then 8 concurrent ones, /metrics around."""
+    dump = str(tmp_path_factory.mktemp("dump"))
+    flags = (*FP32, *METRICS, *EAGLE, "--disable-shared-experts-fusion", "--enable-return-routed-experts",
+             "--oea-dump-router-logits", dump, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
     with serve(tmp_path_factory, MODEL, *flags) as (base, log):
+        returned = {k0: returned_experts(base, dump, deepseek["prompts"][0], k0) for k0 in (0, 1)}
         check_identity_then_change(base, deepseek)
         endpoints = check_openai_endpoints(base)
         set_live(base, oea_k0=2, oea_min_batch=2)
@@ -94,7 +121,77 @@ def eagle_run(tmp_path_factory, deepseek):
             outputs = list(pool.map(lambda ids: complete(base, ids, 20, ignore_eos=True), deepseek["prompts"] * 2))
         after = scrape(base)
     return types.SimpleNamespace(outputs=outputs, start=start, alone=alone, after=after, log=open(log).read(),
-                                 endpoints=endpoints)
+                                 endpoints=endpoints, returned=returned)
+
+
+def returned_experts(base, dump, prompt, k0):
+    """One request alone at `k0` (min-batch 1), its routed experts returned by SGLang.
+
+    Returns a namespace: decode, [n, 3, K] int64, the experts SGLang returned for the request's
+    decode positions (MoE layers 1-3); passes, one record per verify pass of the request, in order,
+    as --oea-dump-router-logits wrote it: logits [D, N], router and oea ids [D, 3, K] (oea None
+    where OEA left the pass alone), the correction biases [3, N]. The dump files new since the
+    request began are its passes: nothing else runs on the server meanwhile.
+    """
+    import torch
+
+    set_live(base, oea_k0=k0, oea_min_batch=1)
+    before = set(os.listdir(dump))
+    request = {"input_ids": prompt, "return_routed_experts": True,
+               "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    meta = json.loads(post(base + "/generate", request))["meta_info"]
+    # SGLang's encoding: base64 of int32 [prompt + output - 1, layers, K], one row per token fed in.
+    experts = torch.frombuffer(bytearray(base64.b64decode(meta["routed_experts"])), dtype=torch.int32)
+    experts = experts.view(-1, LAYERS, TOP_K).long()
+    steps = sorted({name.split("_")[1] for name in set(os.listdir(dump)) - before})
+    assert len(steps) == meta["spec_verify_ct"], "one dump step per verify pass of the request"
+    passes = [dumped_pass(dump, step) for step in steps]
+    return types.SimpleNamespace(decode=experts[len(prompt):, 1:], passes=passes)
+
+
+def dumped_pass(dump, step):
+    """The router dump of one verify pass (see returned_experts), its MoE layers stacked."""
+    import torch
+
+    records = [torch.load(os.path.join(dump, f"rank0_{step}_layer{int(layer):03d}.pt")) for layer in MOE_LAYERS]
+    oea = None if records[0]["oea_ids"] is None else torch.stack([r["oea_ids"] for r in records], 1).long()
+    return types.SimpleNamespace(logits=[r["router_logits"] for r in records], bias=[r["correction_bias"] for r in records],
+                                 router=torch.stack([r["router_ids"] for r in records], 1).long(), oea=oea)
+
+
+def accepted_rows(passes, rows):
+    """True when `rows` ([n, ...]) are, in order, the rows the verify passes kept: a prefix of each
+    pass's rows ([D, ...]: its first row, the token it verifies from, up to all D draft rows), the
+    last pass cut where the request ended. Searches every split, so an ambiguous one cannot fail it."""
+    import torch
+
+    def fits(p, pos):
+        if pos == len(rows) or p == len(passes):
+            return pos == len(rows) and p == len(passes)
+        for kept in range(1, min(len(passes[p]), len(rows) - pos) + 1):
+            if not torch.equal(passes[p][kept - 1], rows[pos + kept - 1]):
+                return False
+            if fits(p + 1, pos + kept):
+                return True
+        return False
+
+    return fits(0, 0)
+
+
+def reference_oea_ids(one_pass, k0):
+    """OEA's ids for a dumped verify pass by the definition (sglang_oea.reference), from its logits
+    alone: the router's own top-K of sigmoid + bias scores (one group), then OEA over all K of them
+    (no shared-expert column). Returns [D, 3, K] int64."""
+    import torch
+
+    from sglang_oea.reference import opportunistic_topk
+    from sglang_oea.routing import RouterSpec, score_experts
+
+    layers = []
+    for logits, bias in zip(one_pass.logits, one_pass.bias):
+        selection, _ = score_experts(logits, RouterSpec("sigmoid", correction_bias=bias))
+        layers.append(opportunistic_topk(selection, selection.topk(TOP_K, dim=1).indices, k0))
+    return torch.stack(layers, 1)
 
 
 def check_openai_endpoints(base):
@@ -115,8 +212,35 @@ def test_eagle_serves_the_trained_checkpoint_identically_with_oea_off_or_a_no_op
     assert eagle_run.endpoints
     text = eagle_run.log
     assert f"N={NUM_EXPERTS} top-k={TOP_K} routing=sigmoid+bias" in text
-    assert "Shared experts fusion optimization is disabled" in text
+    # The shared expert unfused: the capture's device buffer holds K columns per layer (fused: K + 1).
+    assert re.search(rf"DeviceCache\[routed_experts\] allocated: shape=\(\d+, {LAYERS}, {TOP_K}\)", text)
+    assert "Shared experts fusion optimization enabled" not in text
     assert "speculative EAGLE: verify passes routed (rows = requests x draft tokens)" in text
+
+
+@pytest.mark.server
+def test_returned_experts_are_those_each_verify_pass_ran(eagle_run):
+    """--enable-return-routed-experts with OEA: for every decode position SGLang returns the ids
+    the MoE ran for that token, the router's own with OEA off and OEA's at k0=1, row for row as
+    the router dump recorded them for the same verify passes (each pass keeps its accepted rows)."""
+    off, on = eagle_run.returned[0], eagle_run.returned[1]
+    assert all(p.oea is None for p in off.passes) and all(p.oea is not None for p in on.passes)
+    assert accepted_rows([p.router for p in off.passes], off.decode)
+    assert accepted_rows([p.oea for p in on.passes], on.decode)
+    # OEA changed them, so the two checks above can fail.
+    assert not accepted_rows([p.router for p in on.passes], on.decode)
+    for returned in (off.decode, on.decode):
+        assert all(len(set(row.tolist())) == TOP_K for row in returned.reshape(-1, TOP_K))
+        assert 0 <= int(returned.min()) and int(returned.max()) < NUM_EXPERTS
+
+
+@pytest.mark.server
+def test_oea_routes_the_unfused_top_k_as_defined(eagle_run):
+    """With the shared expert unfused, OEA routes all 8 columns of the top-k as routed experts: the
+    experts that ran at k0=1 (as SGLang returned them) are the definition's for each verify pass's
+    router logits."""
+    on = eagle_run.returned[1]
+    assert accepted_rows([reference_oea_ids(one_pass, 1) for one_pass in on.passes], on.decode)
 
 
 @pytest.mark.server

@@ -31,7 +31,7 @@ from sglang_oea import flags, hooks
 from sglang_oea.config import OEAConfig
 from sglang_oea.passes import SKIP_NOT_DECODE
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime
-from test_server_e2e import TRAINED, oea_value, post, scrape, serve
+from test_server_e2e import TRAINED, oea_value, post, scrape, scrape_until, serve
 from test_verify_routing import forward_batch
 
 K0, REQUESTS, DRAFTS = 3, 4, 4
@@ -168,6 +168,14 @@ def handed_over(base, room, tokens):
     return json.loads(post(base + "/generate", payload))
 
 
+def routed_since(before, metrics):
+    return oea_value(metrics, APPLIED, mode="decode", k0="2") - oea_value(before, APPLIED)
+
+
+def off_steps(metrics):
+    return oea_value(metrics, SKIPPED, mode="decode", reason="oea_off", k0="0")
+
+
 def decode_state(base):
     info = json.loads(urllib.request.urlopen(base + "/server_info", timeout=60).read())
     return [(state["disaggregation_mode"], state["oea"]["k0"]) for state in info["internal_states"]]
@@ -181,8 +189,10 @@ def test_a_decode_server_routes_the_requests_handed_over_to_it(tmp_path_factory)
         with ThreadPoolExecutor(4) as pool:
             done = list(pool.map(lambda room: handed_over(base, room, 8), range(100, 104)))
         assert [len(r["output_ids"]) for r in done] == [8] * 4
-        on = scrape(base)
-        assert oea_value(on, APPLIED, mode="decode", k0="2") - oea_value(before, APPLIED) >= 7
+        # 7 decode steps at least (the first token comes with the KV cache); the last step's
+        # stats reach /metrics just after its token does.
+        on = scrape_until(base, lambda m: routed_since(before, m) >= 7)
+        assert routed_since(before, on) >= 7
         # Nothing but decode passes reached the model: no prefill runs here, and the PREBUILT batch
         # that admits the handed-over requests never enters a forward pass.
         assert oea_value(on, SKIPPED) == 0
@@ -190,7 +200,7 @@ def test_a_decode_server_routes_the_requests_handed_over_to_it(tmp_path_factory)
         assert json.loads(post(base + "/set_internal_state", {"server_args": {"oea_k0": 0}})) == [True]
         assert len(handed_over(base, 104, 4)["output_ids"]) == 4
         assert decode_state(base) == [("decode", 0)]
-        assert oea_value(scrape(base), SKIPPED, mode="decode", reason="oea_off", k0="0") >= 3
+        assert off_steps(scrape_until(base, lambda m: off_steps(m) >= 3)) >= 3
     text = open(log).read()
     assert "sglang-oea: --disaggregation-mode decode: OEA routes this server's decode batches" in text
     assert "sglang-oea rank 0: OEA on, k0=2" in text

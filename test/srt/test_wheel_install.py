@@ -40,6 +40,8 @@ from sglang_oea.cpu.serve import cpu_environment
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAG_GROUP = "Opportunistic Expert Activation (sglang-oea)"
 ENTRY_POINT = "oea = sglang_oea.plugin:register"
+# The harness's entry point: a module that imports nothing of sglang_oea.cpu on a GPU server.
+HARNESS_ENTRY_POINT = "oea_cpu_harness = sglang_oea.cpu_entry:register"
 TIMEOUT_S = 240
 
 # The new env's own view: where sglang_oea, its entry point and SGLang resolve from.
@@ -133,6 +135,7 @@ def test_wheel_carries_entry_point_stub_and_pin(wheel):
     for module in ("plugin.py", "hooks.py", "cpu_serve.py", "kernels/oea_route.py", "cpu/stub/sgl_kernel/__init__.py"):
         assert f"sglang_oea/{module}" in names, f"{module} missing from {wheel}: {sorted(names)}"
     assert "[sglang.srt.plugins]" in entry_points and ENTRY_POINT in entry_points, entry_points
+    assert HARNESS_ENTRY_POINT in entry_points and "sglang_oea/cpu_entry.py" in names, entry_points
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 

@@ -1,6 +1,6 @@
 """CPU-only hooks that let EAGLE / MTP speculative decoding run on SGLang's CPU engine.
 
-Registered by the `oea_cpu_harness` plugin (harness.register), so only when the CPU stand-in
+Registered by the `oea_cpu_harness` plugin (harness.install_hooks), so only when the CPU stand-in
 `sgl_kernel` is active; a GPU run never reaches them. Nothing here touches routing.
 
 On the CPU, SGLang 0.5.23 runs EAGLE through `EAGLEWorkerV2` without the overlap schedule (it
@@ -171,7 +171,7 @@ def draft_extend_backend(original, factory, *args, **kwargs):
 
 
 def register() -> None:
-    """Register the EAGLE hooks (called by harness.register when the stand-in is active)."""
+    """Register the EAGLE hooks (called by harness.install_hooks when the stand-in is active)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(INIT_LM_HEAD, share_embed_and_head_on_cpu, HookType.AROUND)

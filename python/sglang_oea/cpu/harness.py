@@ -1,7 +1,8 @@
 """SGLang plugin `oea_cpu_harness`: lets `cpu_serve` run `--tp N` and speculative decoding on the CPU.
 
-It changes nothing about routing and does nothing unless the CPU stand-in `sgl_kernel` (see
-cpu_serve) is the one this process would import, so on a GPU machine it is inert.
+It changes nothing about routing. Its entry point is sglang_oea.cpu_entry, which imports this
+module and installs its hooks only when the CPU stand-in `sgl_kernel` (see cpu_serve) is the one
+this process would import: a GPU server never imports it.
 
 Why it exists:
 - `--tp N`: SGLang 0.5.23 decides whether a process group gets a PyNccl communicator from the
@@ -17,26 +18,20 @@ Why it exists:
   the absorbed MLA path instead.
 - `--speculative-algorithm EAGLE` with an MTP draft: eagle.py (draft attention backends on
   `torch_native`, no CUDA synchronisation on the CPU).
+- `--attn-dp-size N` (DP attention): each rank pads its batch to the layout the ranks agreed on,
+  asking the attention backend for a CPU fill value `torch_native` lacks; dp_attention.py gives it
+  SGLang's usual one.
+- `--enable-return-routed-experts`: capture.py (the capture's host buffer, which SGLang page-locks
+  with cudaHostRegister, allocated unpinned: there is no CUDA driver to register it with).
 
 It is a separate plugin from `oea` so that a baseline can load it alone
 (SGLANG_PLUGINS=oea_cpu_harness): plain SGLang routing, on the CPU.
 """
 
-import importlib.util
-import os
-
-from sglang_oea.cpu import eagle as cpu_eagle, mla as cpu_mla
-from sglang_oea.cpu.serve import STUB_DIR
+from sglang_oea.cpu import capture as cpu_capture, dp_attention as cpu_dp_attention, eagle as cpu_eagle, mla as cpu_mla
 
 PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 TORCH_NATIVE_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend"
-
-
-def stub_active() -> bool:
-    """True when `import sgl_kernel` would load the CPU stand-in (found, not imported)."""
-    spec = importlib.util.find_spec("sgl_kernel")
-    origin = getattr(spec, "origin", None) or ""
-    return os.path.abspath(origin).startswith(STUB_DIR + os.sep)
 
 
 def cpu_group_kwargs(group_ranks, local_rank, backend, *rest, **kwargs):
@@ -92,13 +87,14 @@ def verify_aware_extend(original, backend, q, k, v, layer, forward_batch, save_k
     return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
 
-def register() -> None:
-    """Entry point `oea_cpu_harness` in the `sglang.srt.plugins` group."""
-    if not stub_active():
-        return
+def install_hooks() -> None:
+    """The harness's hooks, registered with SGLang's HookRegistry. Called by the entry point
+    `oea_cpu_harness` (sglang_oea.cpu_entry.register) once it found the CPU stand-in."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(PARALLEL_GROUP, cpu_group_kwargs, HookType.BEFORE)
     HookRegistry.register(TORCH_NATIVE_EXTEND, verify_aware_extend, HookType.AROUND)
     cpu_mla.register_hooks()  # MLA attention (DeepSeek-V2/V3, GLM-5) on torch_native
     cpu_eagle.register()  # EAGLE / MTP drafts on the CPU engine (cpu/eagle.py)
+    cpu_capture.register_hooks()  # --enable-return-routed-experts: unpinned host buffers (cpu/capture.py)
+    cpu_dp_attention.register_hooks()  # --attn-dp-size: padding of the ranks' agreed layout (cpu/dp_attention.py)

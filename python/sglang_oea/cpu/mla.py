@@ -1,7 +1,7 @@
 """CPU harness hook for multi-latent attention (MLA: the DeepSeek-V2/V3 family, GLM-5's attention).
 
 One hook, registered by the `oea_cpu_harness` plugin only when the CPU stand-in `sgl_kernel` is in
-use (harness.register):
+use (harness.install_hooks):
 
 - `absorbed_on_torch_native` (AROUND `DeepseekV2AttentionMLA.dispatch_attn_forward_method`): on the
   `torch_native` backend every MLA forward takes the absorbed path (AttnForwardMethod.MLA).
@@ -48,7 +48,7 @@ def absorbed_on_torch_native(original, attn, forward_batch, *args, **kwargs):
 
 
 def register_hooks() -> None:
-    """Register the hook above with SGLang's HookRegistry (harness.register calls this)."""
+    """Register the hook above with SGLang's HookRegistry (harness.install_hooks calls this)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(MLA_DISPATCH, absorbed_on_torch_native, HookType.AROUND)

@@ -40,7 +40,8 @@ import os
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
+from sglang_oea.cpu_entry import STUB_DIR
+
 CPU_DEFAULTS = (
     ("--device", "cpu"),
     ("--attention-backend", "torch_native"),
