@@ -8,7 +8,7 @@ with bf16 or block-fp8 weights (--backend triton, sm_90). Random weights, the mo
 
 Shape legend: R = rows (a decode batch's token rows), E = experts, K = top-k, T = distinct experts.
 
-For each batch of R rows (16, 32 and 64, plus --rows):
+For each batch of R rows (--rows; 16, 32 and 64 when absent):
   - synthetic top-k ids [R, K] that touch exactly T experts, each row K distinct ones, for T on a
     grid from K to min(R K, E) (--points values);
   - the ids real routing gives on uniform random scores: plain top-k, and OEA at k0 3-6 over the
@@ -17,10 +17,19 @@ For each batch of R rows (16, 32 and 64, plus --rows):
     with its p20-p80.
 The report (gpu/premise_report.py): a table (markdown and JSON) and a plot of time against T, a
 least-squares line per batch size with R^2, the time per extra expert and the fixed part, the
-predicted and measured MoE-layer ratio of OEA at each k0, and a one-line verdict with its thresholds.
+predicted and measured MoE-layer ratio of OEA at each k0, a verdict per row count swept (pass, fail or
+not judged, with its thresholds) and, printed last, one go/no-go line.
 
-    python benchmark/oea/gpu/moe_premise.py --model-config glm5-nvfp4 --tp 8       # RTX PRO 6000, B200
-    python benchmark/oea/gpu/moe_premise.py --model-config glm5-fp8 --tp 8          # H100, H200
+--rows are the row counts the server's decode batches route, and the ones judged: C requests route
+C rows in plain decode, C x D under speculative decoding with D draft tokens
+(--speculative-num-draft-tokens; EAGLE with 4 draft tokens at C = 16-64 routes 64-256 rows).
+
+Exit code: 0 GO (at least one judged row count passes; the line names them, and the largest one is a
+value for --oea-max-batch); 3 NO-GO (none passes); 4 a dry run that judged at least one row count
+(never a GPU verdict); 2 bad arguments, an error, or no row count could be judged.
+
+    python benchmark/oea/gpu/moe_premise.py --model-config glm5-nvfp4 --tp 8 --rows 64 128 192 256  # EAGLE, D = 4
+    python benchmark/oea/gpu/moe_premise.py --model-config glm5-fp8 --tp 8          # H100, H200: 16, 32, 64 rows
     python benchmark/oea/gpu/moe_premise.py --model-config /models/GLM-5/config.json --tp 8 --rows 8 24
     python benchmark/oea/gpu/moe_premise.py --dry-run      # the CPU: a plain-torch stand-in, small shapes
 
@@ -36,6 +45,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -48,11 +58,12 @@ for _path in (REPO / "python", BENCH):
 import torch  # noqa: E402
 
 from gpu import premise_calls as calls  # noqa: E402
-from gpu.premise_report import OEA, SYNTHETIC, TOPK, Point, write_report  # noqa: E402
+from gpu.premise_report import EXIT_ERROR, OEA, SYNTHETIC, TOPK, Point, write_report  # noqa: E402
 from sglang_oea.reference import distinct_experts, opportunistic_route  # noqa: E402
 
 DEFAULT_ROWS = (16, 32, 64)
 DRY_RUN_ROWS = (4, 8)
+MIN_ROWS, MAX_ROWS = 2, 65536  # the upper bound is --oea-max-batch's
 DEFAULT_K0 = (3, 4, 5, 6)
 INNER = 10  # calls per captured graph: amortises the graph launch
 DRY_INNER = 2
@@ -176,7 +187,10 @@ def default_out(dry_run: bool) -> Path:
 
 def parse_args(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, calls.PremiseShape, Optional[tuple]]:
     """Arguments, the shape and the GPU's compute capability (None on a dry run); bad ones refused."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit code: 0 GO (at least one judged row count passes), 3 NO-GO, 4 dry run (never a GPU verdict), "
+               "2 bad arguments, an error or no row count judged. The go/no-go line is printed last.")
     parser.add_argument("--model-config", default=None,
                         help=f"a HF config.json (or its folder) or a preset: {', '.join(calls.PRESETS)} "
                              "(default: glm5-fp8 on sm_90, glm5-nvfp4 on sm_100/sm_120, tiny on a dry run)")
@@ -185,9 +199,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, calls
                         help="SGLang's --moe-runner-backend (default: flashinfer_cutlass for nvfp4, else triton)")
     parser.add_argument("--dtype", choices=calls.DTYPES, default=None,
                         help="expert weights (default: the preset's; else bf16 on sm_90, nvfp4 on sm_100/sm_120)")
-    parser.add_argument("--rows", type=int, nargs="*", default=[], help="batch sizes to add to 16, 32 and 64")
+    parser.add_argument("--rows", type=int, nargs="+", default=None,
+                        help="the row counts to time and judge at: C under plain decode, C x draft tokens under "
+                             "EAGLE (default 16 32 64; a dry run 4 8)")
     parser.add_argument("--points", type=int, default=12, help="synthetic T values per batch size (>= 3)")
-    parser.add_argument("--k0", type=int, nargs="+", default=list(DEFAULT_K0), help="OEA k0 values (1 <= k0 < top-k)")
+    parser.add_argument("--k0", type=int, nargs="+", default=list(DEFAULT_K0),
+                        help="OEA k0 values (1 <= k0 < top-k); the verdict judges k0 5 when swept, else the largest")
     parser.add_argument("--draws", type=int, default=3, help="random-score batches per routing (>= 1)")
     parser.add_argument("--replays", type=int, default=None, help="timed replays per point (>= 3; GPU 40, CPU 5)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
@@ -212,10 +229,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, calls
         calls.check_shape_for(args.dtype, shape)
     except ValueError as e:
         parser.error(str(e))
-    base = DRY_RUN_ROWS if args.dry_run else DEFAULT_ROWS
-    args.rows = sorted(set(base) | set(args.rows))
+    args.rows = sorted(set(args.rows or (DRY_RUN_ROWS if args.dry_run else DEFAULT_ROWS)))
     bad_k0 = [k for k in args.k0 if not 1 <= k < shape.top_k]
-    checks = [(any(r < 1 for r in args.rows), f"--rows {args.rows}: each must be >= 1"),
+    checks = [(any(not MIN_ROWS <= r <= MAX_ROWS for r in args.rows),
+               f"--rows {args.rows}: each must be in [{MIN_ROWS}, {MAX_ROWS}] (one row always touches exactly "
+               f"top-k experts: nothing to judge)"),
               (bool(bad_k0), f"--k0 {bad_k0}: each must be in [1, {shape.top_k - 1}] (top-k is {shape.top_k})"),
               (args.points < 3, f"--points {args.points}: must be >= 3"),
               (args.draws < 1, f"--draws {args.draws}: must be >= 1"),
@@ -245,11 +263,21 @@ def report_meta(args, shape: calls.PremiseShape, capability: Optional[tuple], fu
         timing=(f"{'CPU loop, no CUDA graph' if args.dry_run else 'CUDA-graph replay'}: {inner} calls per sample, "
                 f"median of {args.replays} samples (p20-p80)"),
         tuning=tuning, notes=notes, arch=calls.arch_name(capability) if capability else None,
-        backend=args.backend, dtype=args.dtype, rows=args.rows, k0=args.k0, draws=args.draws)
+        backend=args.backend, dtype=args.dtype, rows=args.rows, judged_rows=args.rows, k0=args.k0, draws=args.draws)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args, shape, capability = parse_args(argv)
+    """The exit code: 0 go, 3 no-go, 4 dry run, 2 bad arguments (argparse), an error or no verdict."""
+    try:
+        return run(*parse_args(argv), argv)  # parse_args exits 2 itself on bad arguments
+    except Exception:  # the operator's script reads the exit code: an error must not read as no-go
+        traceback.print_exc()
+        print(f"\nERROR: the premise check did not finish: no verdict (exit {EXIT_ERROR})")
+        return EXIT_ERROR
+
+
+def run(args, shape: calls.PremiseShape, capability: Optional[tuple], argv: Optional[Sequence[str]]) -> int:
+    """Set up, sweep every row count, write the report; the judgement's exit code."""
     device = "cpu" if args.dry_run else "cuda"
     gen = torch.Generator().manual_seed(args.seed)
     if args.dry_run:
@@ -275,10 +303,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         notes.append(f"{eager} of {len(points)} points timed eagerly: their CUDA-graph capture failed (see the log)")
     command = " ".join(sys.argv[1:] if argv is None else argv)
     meta = report_meta(args, shape, capability, function, command, "; ".join(tuning), notes)
-    paths, line = write_report(args.out or default_out(args.dry_run), meta, points)
-    print("\n" + line)
+    paths, judgement = write_report(args.out or default_out(args.dry_run), meta, points)
+    print()
+    for verdict in judgement.per_rows:
+        print("\n".join([verdict.line] + [f"  caveat: {c}" for c in verdict.caveats]))
     print("report: " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    print("\n" + judgement.line)  # last: the line an operator's script and eye look for
+    return judgement.exit_code
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
-"""moe_premise.py's fit, verdict and report: markdown, JSON and a plot of MoE time against T.
+"""moe_premise.py's fit, verdicts and report: markdown, JSON and a plot of MoE time against T.
 
 Per batch size (rows), a least-squares line time = fixed + per_expert * T over the synthetic points
 (ids that touch exactly T experts). The predicted MoE-layer ratio of OEA at k0 is
 line(mean T of OEA's routing) / line(mean T of plain top-k), both on the same uniform random scores;
 the measured ratio times those routings themselves (median over draws, paired by draw).
 
-The verdict, at the smallest batch swept (16 rows by default), and its thresholds:
-    time falls with T   when the slope's one-sided 95% lower bound is > 0 us per expert AND the
-                        predicted ratio at the headline k0 (5, else the largest swept) is <= 0.95
-                        (a saving of at least 5%);
-    otherwise           time does not fall with T: OEA will not speed up this configuration.
+A verdict per judged row count (--rows; the default sweep when absent), with its thresholds:
+    pass        the slope's one-sided 95% lower bound is > 0 us per expert AND the predicted ratio
+                at the headline k0 (5, else the largest swept) is <= 0.95 (a saving of at least 5%);
+    fail        otherwise;
+    not judged  fewer than 3 values of T or no OEA routing timed at that row count (--budget-s).
 Caveats are added when R^2 < 0.9 (time is not linear in T: read the measured ratios) and when the
-measured ratio differs from the predicted one by more than 0.1.
+measured ratio differs from the predicted one by more than 0.1; they do not change the verdict.
+
+The overall line and the exit code:
+    0  GO: at least one judged row count passes; the line names them and the largest, a value
+       for --oea-max-batch (OEA is skipped above it);
+    3  NO-GO: every judged row count that could be judged fails;
+    4  DRY RUN: the CPU stand-in ran and judged at least one row count; never a GPU verdict;
+    2  no row count could be judged (moe_premise.py also exits 2 on bad arguments and errors).
 """
 
 import json
@@ -28,6 +35,8 @@ MIN_R2 = 0.9  # below it the verdict carries a linearity caveat
 MAX_GAP = 0.10  # |measured - predicted| above it: a caveat
 HEADLINE_K0 = 5
 SYNTHETIC, TOPK, OEA = "synthetic", "top-k", "oea"
+PASS, FAIL, NOT_JUDGED = "pass", "fail", "not judged"
+EXIT_GO, EXIT_ERROR, EXIT_NO_GO, EXIT_DRY_RUN = 0, 2, 3, 4  # 1 stays Python's own for a crash
 
 
 @dataclass
@@ -72,6 +81,29 @@ class Prediction:
     measured_hi: float
 
 
+@dataclass
+class RowVerdict:
+    """The verdict at one judged row count."""
+
+    rows: int
+    status: str  # PASS, FAIL or NOT_JUDGED
+    line: str
+    caveats: List[str]
+    k0: Optional[int] = None  # the headline k0 judged
+    predicted: Optional[float] = None  # its predicted MoE-layer ratio
+
+
+@dataclass
+class Judgement:
+    """All judged row counts together: what the command prints last and exits with."""
+
+    per_rows: List[RowVerdict]
+    passing: List[int]  # the judged row counts that pass, ascending
+    go: Optional[bool]  # None on a dry run and when nothing could be judged
+    line: str
+    exit_code: int
+
+
 def fit_line(rows: int, points: Sequence[Point]) -> Fit:
     """Least squares of median_us on T (scipy.stats.linregress), with the slope's lower bound."""
     from scipy import stats
@@ -106,17 +138,15 @@ def predict(points: Sequence[Point], fits: Dict[int, Fit]) -> List[Prediction]:
     return out
 
 
-def verdict(fits: Dict[int, Fit], preds: Sequence[Prediction], dry_run: bool) -> Tuple[bool, str, List[str]]:
-    """(time falls with T, the one-line verdict, caveats) at the smallest batch swept with at least
-    three synthetic points."""
-    prefix = "DRY RUN (CPU stand-in, not a GPU result): " if dry_run else ""
-    if not fits:
-        return False, prefix + "no batch was timed: no verdict", []
-    usable = [r for r, f in fits.items() if f.n >= 3 and not math.isnan(f.slope)]  # 1 row: T is always top-k
-    rows = min(usable or fits)
-    fit = fits[rows]
+def judge_rows(rows: int, fits: Dict[int, Fit], preds: Sequence[Prediction], prefix: str) -> RowVerdict:
+    """The verdict at one judged row count: PASS, FAIL or NOT_JUDGED, its line and caveats."""
+    fit = fits.get(rows)
+    if fit is None:
+        return RowVerdict(rows, NOT_JUDGED, f"{prefix}at {rows} rows: not judged: not timed (out of --budget-s)", [])
+    if fit.n < 3 or math.isnan(fit.slope_low):
+        return RowVerdict(rows, NOT_JUDGED, f"{prefix}at {rows} rows: not judged: {fit.n} value(s) of T timed, "
+                                            f"the fit needs 3", [])
     at_rows = [p for p in preds if p.rows == rows]
-    k0s = [p.k0 for p in at_rows]
     head = next((p for p in at_rows if p.k0 == HEADLINE_K0), max(at_rows, key=lambda p: p.k0) if at_rows else None)
     caveats = []
     if not math.isnan(fit.r2) and fit.r2 < MIN_R2:
@@ -124,31 +154,66 @@ def verdict(fits: Dict[int, Fit], preds: Sequence[Prediction], dry_run: bool) ->
     if head is not None and abs(head.measured - head.predicted) > MAX_GAP:
         caveats.append(f"at {rows} rows, k0={head.k0}: measured {head.measured:.2f} vs predicted "
                        f"{head.predicted:.2f}: the line misses, trust the measured ratio")
-    rises = not math.isnan(fit.slope_low) and fit.slope_low > 0
-    if not rises:
-        why = (f"at {rows} rows the slope is {fit.slope:.2f} us per expert and its one-sided 95% lower bound "
+    start = f"{prefix}at {rows} rows: "
+    if not fit.slope_low > 0:
+        why = (f"the slope is {fit.slope:.2f} us per expert and its one-sided 95% lower bound "
                f"{fit.slope_low:.2f} is not above 0")
     elif head is None:
-        why = f"no OEA routing was timed at {rows} rows (k0 in {k0s})"
+        return RowVerdict(rows, NOT_JUDGED, f"{start}not judged: no OEA routing was timed (out of --budget-s)",
+                          caveats)
     elif head.predicted > 1 - MIN_SAVING:
-        why = (f"at {rows} rows OEA k0={head.k0} would save {1 - head.predicted:.0%} of this MoE layer, "
-               f"under {MIN_SAVING:.0%}")
+        why = f"OEA k0={head.k0} would save {1 - head.predicted:.0%} of this MoE layer, under {MIN_SAVING:.0%}"
     else:
-        line = (f"{prefix}time falls with T: at {rows} rows, OEA k0={head.k0} should cut this MoE layer to "
-                f"about {head.predicted:.2f} of its time (T {head.oea_T:.1f} vs {head.topk_T:.1f}; measured on "
-                f"its own routing: {head.measured:.2f})")
-        return True, line, caveats
-    return False, f"{prefix}time does not fall with T: OEA will not speed up this configuration ({why})", caveats
+        return RowVerdict(rows, PASS, f"{start}pass: time falls with T; OEA k0={head.k0} should cut this MoE layer "
+                                      f"to about {head.predicted:.2f} of its time (T {head.oea_T:.1f} vs "
+                                      f"{head.topk_T:.1f}; measured on its own routing: {head.measured:.2f})",
+                          caveats, head.k0, head.predicted)
+    return RowVerdict(rows, FAIL, f"{start}fail: OEA will not speed up this MoE layer ({why})", caveats,
+                      head.k0 if head else None, head.predicted if head else None)
 
 
-THRESHOLDS = (f"Thresholds: time falls with T when, at the smallest batch, the slope's one-sided "
-              f"{SLOPE_CONFIDENCE:.0%} lower bound is > 0 us per expert and OEA k0={HEADLINE_K0} (else the "
-              f"largest k0 swept) is predicted to save >= {MIN_SAVING:.0%} of the MoE layer; caveats at "
-              f"R^2 < {MIN_R2} and at |measured - predicted| > {MAX_GAP}.")
+def judge(fits: Dict[int, Fit], preds: Sequence[Prediction], judged: Sequence[int], dry_run: bool) -> Judgement:
+    """A verdict per judged row count, the overall line and the exit code (see the module docstring)."""
+    prefix = "DRY RUN (CPU stand-in, not a GPU result): " if dry_run else ""
+    per_rows = [judge_rows(r, fits, preds, prefix) for r in sorted(set(judged))]
+    passing = [v.rows for v in per_rows if v.status == PASS]
+    failing = [v.rows for v in per_rows if v.status == FAIL]
+    skipped = [v.rows for v in per_rows if v.status == NOT_JUDGED]
+    of = f"of {_rows(judged)} rows judged"
+    unjudged = f"; not judged: {_rows(skipped)}" if skipped else ""
+    if not passing and not failing:
+        return Judgement(per_rows, passing, None, f"NO VERDICT: no row count could be judged ({of}{unjudged}): "
+                                                  f"see the lines above (exit {EXIT_ERROR})", EXIT_ERROR)
+    if dry_run:
+        return Judgement(per_rows, passing, None,
+                         f"{prefix}no go/no-go; the stand-in passes at {_rows(passing) or 'none'} {of}{unjudged}. "
+                         f"Run it on the GPU for a verdict (exit {EXIT_DRY_RUN})", EXIT_DRY_RUN)
+    if not passing:
+        return Judgement(per_rows, passing, False,
+                         f"NO-GO: OEA is not predicted to save >= {MIN_SAVING:.0%} of the MoE layer at any "
+                         f"{of}{unjudged}: keep OEA off for this configuration (exit {EXIT_NO_GO})", EXIT_NO_GO)
+    below = [r for r in failing if r < max(passing)]
+    fails = f"; fails at {_rows(failing)}" if failing else ""
+    return Judgement(per_rows, passing, True,
+                     f"GO: OEA is predicted to save >= {MIN_SAVING:.0%} of the MoE layer at {_rows(passing)} {of}"
+                     f"{fails}{unjudged}. Largest passing: {max(passing)} rows: --oea-max-batch {max(passing)}"
+                     + (f" (it fails at {_rows(below)}, below that)" if below else "") + f" (exit {EXIT_GO})",
+                     EXIT_GO)
+
+
+def _rows(rows: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in sorted(set(rows)))
+
+
+THRESHOLDS = (f"Thresholds: a judged row count passes when the slope's one-sided {SLOPE_CONFIDENCE:.0%} lower "
+              f"bound is > 0 us per expert and OEA k0={HEADLINE_K0} (else the largest k0 swept) is predicted "
+              f"to save >= {MIN_SAVING:.0%} of the MoE layer. GO (exit {EXIT_GO}) when at least one judged row "
+              f"count passes, NO-GO (exit {EXIT_NO_GO}) when none does; a dry run exits {EXIT_DRY_RUN}, no "
+              f"verdict {EXIT_ERROR}. Caveats at R^2 < {MIN_R2} and at |measured - predicted| > {MAX_GAP}.")
 
 
 def markdown(meta: dict, points: Sequence[Point], fits: Dict[int, Fit], preds: Sequence[Prediction],
-             verdict_line: str, caveats: Sequence[str]) -> str:
+             judgement: Judgement) -> str:
     lines = ["# OEA premise: MoE-layer time against distinct experts T", ""]
     if meta["dry_run"]:
         lines += ["**DRY RUN on the CPU: a plain-torch stand-in, not SGLang's kernel and not a GPU result. "
@@ -156,7 +221,9 @@ def markdown(meta: dict, points: Sequence[Point], fits: Dict[int, Fit], preds: S
     lines += [f"- {key}: {meta[key]}" for key in ("machine", "date", "versions", "command", "function",
                                                   "call_site", "shape", "timing", "tuning") if meta.get(key)]
     lines += [f"- note: {n}" for n in meta.get("notes", [])]
-    lines += ["", "## Verdict", "", verdict_line, ""] + [f"- caveat: {c}" for c in caveats]
+    lines += ["", "## Verdict", "", f"**{judgement.line}**", ""]
+    for v in judgement.per_rows:
+        lines += [f"- {v.line}"] + [f"  - caveat: {c}" for c in v.caveats]
     lines += ["", THRESHOLDS, "", "## Fit per batch (synthetic ids, exactly T experts)", "",
               "| rows | points | fixed us | us per extra expert | 95% lower bound | R^2 |", "|---|---|---|---|---|---|"]
     lines += [f"| {f.rows} | {f.n} | {f.intercept:.1f} | {f.slope:.3f} | {f.slope_low:.3f} | {f.r2:.3f} |"
@@ -212,20 +279,21 @@ def plot(path: Path, meta: dict, points: Sequence[Point], fits: Dict[int, Fit]) 
     return None
 
 
-def write_report(out_dir: Path, meta: dict, points: Sequence[Point]) -> Tuple[Dict[str, Path], str]:
-    """moe_premise.md, .json and .png in out_dir; returns (paths written, the verdict line)."""
+def write_report(out_dir: Path, meta: dict, points: Sequence[Point]) -> Tuple[Dict[str, Path], Judgement]:
+    """moe_premise.md, .json and .png in out_dir, judged at meta["judged_rows"]; returns (paths
+    written, the judgement)."""
     fits = fit_all(points)
     preds = predict(points, fits)
-    falls, line, caveats = verdict(fits, preds, meta["dry_run"])
+    judgement = judge(fits, preds, meta["judged_rows"], meta["dry_run"])
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / "moe_premise.md", "json": out_dir / "moe_premise.json", "png": out_dir / "moe_premise.png"}
     why_no_plot = plot(paths["png"], meta, points, fits)
     if why_no_plot:
         meta.setdefault("notes", []).append(why_no_plot)
         del paths["png"]
-    paths["md"].write_text(markdown(meta, points, fits, preds, line, caveats))
+    paths["md"].write_text(markdown(meta, points, fits, preds, judgement))
     record = dict(meta=meta, points=[asdict(p) for p in points], fits=[asdict(f) for f in fits.values()],
                   predictions=[asdict(p) for p in preds],
-                  verdict=dict(falls=falls, line=line, caveats=list(caveats), thresholds=THRESHOLDS))
+                  verdict=dict(asdict(judgement), thresholds=THRESHOLDS))
     paths["json"].write_text(json.dumps(record, indent=1, allow_nan=True) + "\n")
-    return paths, line
+    return paths, judgement

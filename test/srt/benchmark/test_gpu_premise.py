@@ -1,6 +1,7 @@
 """benchmark/oea/gpu/moe_premise.py (OEA's premise on one GPU) and check 4's tile choice in
-gpu_moe.py, on the CPU: the id synthesis (exactly T experts, K distinct per row), the fit and the
-verdict on made-up timings, the argument checks, the dry run end to end in a child process, and the
+gpu_moe.py, on the CPU: the id synthesis (exactly T experts, K distinct per row), the OEA arm's
+routing, the fit, the per-row-count verdicts and the go/no-go exit codes on made-up timings, the
+argument checks, the dry run end to end in a child process (judged at the --rows given), and the
 shared-memory arithmetic that picks check 4's tile configs per architecture."""
 
 import importlib.util
@@ -16,7 +17,9 @@ import torch
 
 from gpu import moe_premise, premise_calls
 from gpu.gpu_moe import GEMM_CONFIGS, SMEM_WITHOUT_OPTIN, fitting_configs, smem_limit, tile_smem_bytes
-from gpu.premise_report import OEA, SYNTHETIC, TOPK, Point, fit_all, predict, verdict
+from gpu.premise_report import (EXIT_DRY_RUN, EXIT_ERROR, EXIT_GO, EXIT_NO_GO, FAIL, NOT_JUDGED, OEA, PASS,
+                                SYNTHETIC, TOPK, Point, fit_all, judge, predict)
+from sglang_oea.reference import distinct_experts, opportunistic_route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCRIPT = os.path.join(ROOT, "benchmark", "oea", "gpu", "moe_premise.py")
@@ -71,26 +74,92 @@ def test_fit_and_verdict_when_time_falls_with_T():
     assert (head.topk_T, head.oea_T) == (83, 61)
     assert head.predicted == pytest.approx(fits[16].at(61) / fits[16].at(83))
     assert head.measured_lo <= head.measured <= head.measured_hi < 1
-    falls, line, caveats = verdict(fits, list(preds.values()), dry_run=False)
-    assert falls and caveats == []
-    assert line.startswith("time falls with T: at 16 rows, OEA k0=5") and f"about {head.predicted:.2f}" in line
+    got = judge(fits, list(preds.values()), [1, 16, 32], dry_run=False)
+    assert [(v.rows, v.status) for v in got.per_rows] == [(1, NOT_JUDGED), (16, PASS), (32, PASS)]
+    at16 = got.per_rows[1]
+    assert at16.caveats == [] and (at16.k0, at16.predicted) == (5, head.predicted)
+    assert at16.line.startswith("at 16 rows: pass: time falls with T; OEA k0=5")
+    assert f"about {head.predicted:.2f}" in at16.line
+    assert (got.go, got.passing, got.exit_code) == (True, [16, 32], EXIT_GO)
+    assert got.line.startswith("GO: OEA is predicted to save >= 5% of the MoE layer at 16, 32 of 1, 16, 32 rows judged")
+    assert "--oea-max-batch 32" in got.line and got.line.endswith("(exit 0)")
 
 
 def test_verdict_when_time_is_flat_or_the_saving_too_small():
     flat = timed(16, lambda T: 100 + 0.2 * ((T // 10) % 3 - 1), ROUTES)
-    falls, line, _ = verdict(fit_all(flat), predict(flat, fit_all(flat)), dry_run=True)
-    assert not falls and line.startswith("DRY RUN (CPU stand-in, not a GPU result): time does not fall with T")
-    assert "lower bound" in line
+    got = judge(fit_all(flat), predict(flat, fit_all(flat)), [16], dry_run=False)
+    assert got.per_rows[0].status == FAIL and "lower bound" in got.per_rows[0].line
+    assert (got.go, got.exit_code) == (False, EXIT_NO_GO) and got.line.startswith("NO-GO: ")
     shallow = timed(16, lambda T: 1000 + 0.5 * T, ROUTES)  # rises, but k0=5 saves ~1%
-    falls, line, _ = verdict(fit_all(shallow), predict(shallow, fit_all(shallow)), dry_run=False)
-    assert not falls and "k0=5 would save 1%" in line and "under 5%" in line
+    got = judge(fit_all(shallow), predict(shallow, fit_all(shallow)), [16], dry_run=False)
+    assert got.exit_code == EXIT_NO_GO and "k0=5 would save 1%" in got.per_rows[0].line
+    assert "under 5%" in got.per_rows[0].line
+
+
+def test_each_judged_row_count_gets_its_verdict_and_the_largest_passing_is_the_cap():
+    """EAGLE, 4 draft tokens: 64 and 128 rows gain, 192 rows only 2%, 256 rows not timed."""
+    points = (timed(64, lambda T: 20 + 2.5 * T, ROUTES) + timed(128, lambda T: 30 + 2 * T, ROUTES)
+              + timed(192, lambda T: 2000 + 2 * T, ROUTES))
+    fits = fit_all(points)
+    got = judge(fits, predict(points, fits), [64, 128, 192, 256], dry_run=False)
+    assert [(v.rows, v.status) for v in got.per_rows] == [(64, PASS), (128, PASS), (192, FAIL), (256, NOT_JUDGED)]
+    assert "out of --budget-s" in got.per_rows[3].line
+    assert (got.go, got.passing, got.exit_code) == (True, [64, 128], EXIT_GO)
+    assert "at 64, 128 of 64, 128, 192, 256 rows judged; fails at 192; not judged: 256" in got.line
+    assert "Largest passing: 128 rows: --oea-max-batch 128 (exit 0)" in got.line
+    gap = timed(64, lambda T: 1000 + 0.5 * T, ROUTES) + timed(128, lambda T: 30 + 2 * T, ROUTES)
+    got = judge(fit_all(gap), predict(gap, fit_all(gap)), [128, 64], dry_run=False)
+    assert got.passing == [128] and "--oea-max-batch 128 (it fails at 64, below that) (exit 0)" in got.line
+
+
+def test_only_the_judged_row_counts_decide():
+    """A row count swept but not judged (here the smaller, which the verdict once used) counts for nothing."""
+    points = timed(16, lambda T: 20 + 2.5 * T, ROUTES) + timed(64, lambda T: 1000 + 0.5 * T, ROUTES)
+    fits = fit_all(points)
+    got = judge(fits, predict(points, fits), [64], dry_run=False)
+    assert [(v.rows, v.status) for v in got.per_rows] == [(64, FAIL)] and got.exit_code == EXIT_NO_GO
+    assert judge(fits, predict(points, fits), [16, 64], dry_run=False).exit_code == EXIT_GO
+
+
+def test_a_dry_run_never_says_go_and_no_timing_is_no_verdict():
+    points = timed(16, lambda T: 20 + 2.5 * T, ROUTES)
+    got = judge(fit_all(points), predict(points, fit_all(points)), [16], dry_run=True)
+    assert got.per_rows[0].status == PASS and got.go is None and got.exit_code == EXIT_DRY_RUN == 4
+    assert all(line.startswith("DRY RUN (CPU stand-in, not a GPU result): ") for line in
+               [got.line] + [v.line for v in got.per_rows])
+    assert "GO:" not in got.line and got.line.endswith("(exit 4)")
+    for dry_run in (False, True):
+        none = judge({}, [], [16, 32], dry_run=dry_run)
+        assert (none.go, none.exit_code) == (None, EXIT_ERROR) and none.line.startswith("NO VERDICT: ")
+    assert len({EXIT_GO, EXIT_NO_GO, EXIT_DRY_RUN, EXIT_ERROR, 1}) == 5  # 1: Python's code for a crash
 
 
 def test_a_step_in_time_is_flagged_as_not_linear():
     step = timed(16, lambda T: 50.0 if T < 60 else 150.0, ROUTES)
     fits = fit_all(step)
-    _, _, caveats = verdict(fits, predict(step, fits), dry_run=False)
+    caveats = judge(fits, predict(step, fits), [16], dry_run=False).per_rows[0].caveats
     assert fits[16].r2 < 0.9 and any("not linear" in c for c in caveats)
+
+
+def test_the_oea_arm_routes_at_each_k0_below_top_k():
+    """routed_batches' OEA ids are the reference OEA at each k0 on the same scores as its top-k arm."""
+    shape = premise_calls.load_shape("tiny", None)[0]
+    gen = torch.Generator().manual_seed(3)
+    replay = torch.Generator().set_state(gen.get_state())
+    got = list(moe_premise.routed_batches(6, shape, [3, 6], 2, gen))
+    assert [(kind, k0, draw) for kind, k0, draw, _, _ in got] == [(TOPK, None, 0), (OEA, 3, 0), (OEA, 6, 0),
+                                                                 (TOPK, None, 1), (OEA, 3, 1), (OEA, 6, 1)]
+    for draw in range(2):
+        scores = torch.rand(6, shape.experts, generator=replay)
+        top_w, top_ids = scores.topk(shape.top_k, dim=1)
+        _, _, _, ids, _ = got[3 * draw]
+        assert torch.equal(ids, top_ids.to(torch.int32))
+        top_T = int(distinct_experts(ids, shape.experts))
+        for column, k0 in ((1, 3), (2, 6)):
+            _, _, _, ids, weights = got[3 * draw + column]
+            want, want_w = opportunistic_route(scores, scores, top_ids, top_w / top_w.sum(1, keepdim=True), k0)
+            assert torch.equal(ids, want.to(torch.int32)) and torch.allclose(weights, want_w.float())
+            assert int(distinct_experts(ids, shape.experts)) < top_T, (draw, k0)
 
 
 def refusal(capsys, argv):
@@ -107,11 +176,37 @@ def refusal(capsys, argv):
     (["--model-config", "no-such-model"], r"--model-config 'no-such-model': neither a preset"),
     (["--model-config", "glm5-nvfp4", "--tp", "3"], r"--tp 3: must be >= 1 and divide the expert FFN width 2048"),
     (["--model-config", "glm5-nvfp4", "--tp", "256"], r"--dtype nvfp4 needs .*expert width per rank \(8, .*a multiple of 64"),
-    (["--rows", "0"], r"--rows \[0, 4, 8\]: each must be >= 1"),
+    (["--rows", "1", "64"], r"--rows \[1, 64\]: each must be in \[2, 65536\] \(one row always touches"),
+    (["--rows", "65537"], r"--rows \[65537\]: each must be in \[2, 65536\]"),
+    (["--rows"], r"--rows: expected at least one argument"),
     (["--points", "2"], r"--points 2: must be >= 3"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(capsys, argv, message):
     assert re.search(message, refusal(capsys, ["--dry-run"] + argv))
+
+
+def test_rows_are_the_row_counts_judged_and_the_default_sweep_stays_without_them():
+    assert moe_premise.parse_args(["--dry-run", "--rows", "256", "64", "64", "128"])[0].rows == [64, 128, 256]
+    assert moe_premise.parse_args(["--dry-run"])[0].rows == list(moe_premise.DRY_RUN_ROWS) == [4, 8]
+    assert moe_premise.DEFAULT_ROWS == (16, 32, 64)
+
+
+def test_an_error_during_the_run_exits_2_not_no_go(tmp_path, monkeypatch, capsys):
+    def broken(*args):
+        raise RuntimeError("stand-in failed to build")
+
+    monkeypatch.setattr(premise_calls, "TorchStandIn", broken)
+    assert moe_premise.main(["--dry-run", "--out", str(tmp_path)]) == EXIT_ERROR
+    out = capsys.readouterr()
+    assert "stand-in failed to build" in out.err
+    assert out.out.strip().splitlines()[-1] == "ERROR: the premise check did not finish: no verdict (exit 2)"
+
+
+def test_nothing_timed_within_the_budget_is_no_verdict(tmp_path, capsys):
+    assert moe_premise.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path)]) == EXIT_ERROR
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("NO VERDICT: no row count could be judged (of 4, 8 rows judged; not judged: 4, 8)")
+    assert json.loads((tmp_path / "moe_premise.json").read_text())["verdict"]["exit_code"] == EXIT_ERROR
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -194,29 +289,35 @@ def test_gpu_calls_bind_to_the_installed_functions_with_the_layouts_they_check()
             assert kwargs["w2_scale"].shape == (E, -(-H // 128), -(-inter // 128))
 
 
-def test_dry_run_end_to_end_writes_its_report(tmp_path):
+def test_dry_run_end_to_end_judges_at_the_rows_given(tmp_path):
     out = tmp_path / "premise"
     done = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--points", "4", "--draws", "2", "--replays", "3", "--rows", "5",
+        [sys.executable, SCRIPT, "--dry-run", "--points", "4", "--draws", "2", "--replays", "3", "--rows", "12", "5",
          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == EXIT_DRY_RUN, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "moe_premise.json").read_text())
-    assert record["meta"]["dry_run"] and record["meta"]["rows"] == [4, 5, 8]
-    assert record["verdict"]["line"].startswith("DRY RUN (CPU stand-in, not a GPU result): time ")
-    assert record["verdict"]["line"] in done.stdout
+    assert record["meta"]["dry_run"] and record["meta"]["rows"] == record["meta"]["judged_rows"] == [5, 12]
+    judged = record["verdict"]
+    assert [v["rows"] for v in judged["per_rows"]] == [5, 12] and judged["exit_code"] == EXIT_DRY_RUN
+    assert judged["go"] is None and judged["line"].startswith("DRY RUN (CPU stand-in, not a GPU result): no go/no-go")
+    assert all(v["line"].startswith(f"DRY RUN (CPU stand-in, not a GPU result): at {v['rows']} rows: ")
+               and v["status"] in (PASS, FAIL) for v in judged["per_rows"])
+    assert done.stdout.strip().splitlines()[-1] == judged["line"]  # the go/no-go line comes last
     shape = premise_calls.load_shape("tiny", None)[0]
-    for rows in (4, 5, 8):
+    for rows in (5, 12):
         mine = [p for p in record["points"] if p["rows"] == rows]
         synthetic = sorted(p["T"] for p in mine if p["kind"] == SYNTHETIC)
         assert synthetic == moe_premise.t_grid(rows, shape.top_k, shape.experts, 4)
         for draw in (0, 1):
             top = next(p["T"] for p in mine if p["kind"] == TOPK and p["draw"] == draw)
             oea = {p["k0"]: p["T"] for p in mine if p["kind"] == OEA and p["draw"] == draw}
-            assert sorted(oea) == [3, 4, 5, 6] and all(shape.top_k <= T <= top for T in oea.values())
+            # below top-k's T at every k0: an OEA arm routed at k0 = top-k would touch as many
+            assert sorted(oea) == [3, 4, 5, 6] and all(shape.top_k <= T < top for T in oea.values()), (rows, oea)
         assert all(p["mode"] == "cpu" and p["median_us"] > 0 for p in mine)
-    assert {f["rows"] for f in record["fits"]} == {4, 5, 8}
+    assert {f["rows"] for f in record["fits"]} == {5, 12}
     md = (out / "moe_premise.md").read_text()
     assert "**DRY RUN on the CPU" in md and "## Verdict" in md and "Thresholds:" in md
+    assert f"**{judged['line']}**" in md and all(f"- {v['line']}" in md for v in judged["per_rows"])
     pytest.importorskip("matplotlib")
     assert (out / "moe_premise.png").read_bytes()[:4] == b"\x89PNG"
 
