@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +98,7 @@ def greedy_texts(base):
 
 def heldout_prompts(model_dir):
     """HELDOUT_PROMPTS held-out windows of HELDOUT_PROMPT_LEN token ids (never trained on)."""
-    from common.heldout import heldout_windows
+    from training.heldout import heldout_windows
 
     return heldout_windows(model_dir, HELDOUT_PROMPTS, HELDOUT_PROMPT_LEN).tolist()
 
@@ -136,6 +137,18 @@ def scrape(base):
             labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
             out[(match.group(1), labels)] = float(match.group(3))
     return out
+
+
+def scrape_until(base, reached, timeout=120):
+    """/metrics once `reached(metrics)` holds, or at the deadline; the caller asserts on what it
+    returns, so the deadline only bounds a failure. SGLang publishes a decode step's stats just
+    after streaming its token: a read right after a request ends may miss that request's last step."""
+    deadline = time.time() + timeout
+    metrics = scrape(base)
+    while not reached(metrics) and time.time() < deadline:
+        time.sleep(0.2)
+        metrics = scrape(base)
+    return metrics
 
 
 def oea_value(metrics, name, **labels):
@@ -192,11 +205,15 @@ def check_openai_endpoints(base):
 def check_concurrent_decode(base, log, k0, layers):
     """At min-batch 3: steps below it are skipped, concurrent decode is routed with fewer experts
     (at most 7 requests in a step: the 6 below and a /health one, each with TOP_K experts)."""
+    skipped = "sglang:oea_decode_steps_skipped_total"
+
+    def below(metrics):
+        return oea_value(metrics, skipped, reason="below_min_batch") - oea_value(start, skipped, reason="below_min_batch")
+
     start = scrape(base)
     complete(base, "alone", 12, ignore_eos=True)  # 11 decode steps at B=1 < min batch 3
-    alone = scrape(base)
-    below = oea_value(alone, "sglang:oea_decode_steps_skipped_total", reason="below_min_batch") - oea_value(start, "sglang:oea_decode_steps_skipped_total", reason="below_min_batch")
-    assert 11 <= below <= 13  # /health may add a request of its own
+    alone = scrape_until(base, lambda m: below(m) >= 11)
+    assert 11 <= below(alone) <= 13  # /health may add a request of its own
     assert oea_value(alone, "sglang:oea_decode_steps_applied_total") == oea_value(start, "sglang:oea_decode_steps_applied_total")
 
     results = concurrent(base, 6, 20)

@@ -17,7 +17,7 @@ versions) are counted as they come.
 import re
 from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 
-from serving.servers import http_get
+from common.http import http_get
 
 METRIC_PREFIX = "sglang:oea_"
 APPLIED = METRIC_PREFIX + "decode_steps_applied_total"

@@ -13,7 +13,7 @@ min-max. Runs that cannot be paired (no baseline at that C, a repeat missing on 
 workload that differs between the two runs) are not compared: they are listed as warnings.
 
 Kept router mass per (concurrency, arm) is read from the runs' counter deltas (`oea_metrics_delta`,
-serving/oea_metrics.kept_mass_in_runs); the table shows its column only when some run has them.
+common/oea_metrics.kept_mass_in_runs); the table shows its column only when some run has them.
 """
 
 import json
@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from serving.oea_metrics import KEPT_MASS_NOTE, kept_mass_in_runs
+from common.oea_metrics import KEPT_MASS_NOTE, kept_mass_in_runs
 
 BASELINE = "baseline"
 

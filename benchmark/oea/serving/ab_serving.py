@@ -30,13 +30,15 @@ OEA/baseline throughput ratio paired by repeat with its min-max), results.png, s
 
     # GPU box, real model, one server (see benchmark/oea/serving/README.md)
     python benchmark/oea/serving/ab_serving.py --model-path /models/GLM-5-NVFP4 --k0 3 4 5 \
-        --out-dir ab_glm5 -- --tp-size 8 --moe-runner-backend flashinfer_cutlass
+        --out-dir ab_glm5 -- --tp-size 8 --quantization modelopt_fp4 --moe-runner-backend flashinfer_cutlass \
+        --disable-shared-experts-fusion
     # a server you run (started with --oea-k0 0 --enable-metrics)
     python benchmark/oea/serving/ab_serving.py --url http://127.0.0.1:30000 --tokenizer /models/GLM-5-NVFP4 \
         --k0 3 4 5 --out-dir ab_glm5_live
     # the baseline on its own server, without the plugin's flags
     python benchmark/oea/serving/ab_serving.py --two-servers --model-path /models/GLM-5-NVFP4 --k0 4 \
-        --out-dir ab_glm5_two -- --tp-size 8 --moe-runner-backend flashinfer_cutlass
+        --out-dir ab_glm5_two -- --tp-size 8 --quantization modelopt_fp4 --moe-runner-backend flashinfer_cutlass \
+        --disable-shared-experts-fusion
     # this CPU machine, tiny dummy-weight model
     python benchmark/oea/serving/ab_serving.py --cpu --model-path /tmp/tiny --k0 4 --out-dir ab_cpu \
         -- --load-format dummy

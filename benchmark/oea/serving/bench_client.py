@@ -4,6 +4,13 @@ subprocess per run (--bench-subprocess, --bench-cmd).
 
 A driver or a run lives in its own session; a timeout, an error or Ctrl-C kills its whole process
 group. Each run's result is the last JSON line bench_serving appends to its --output-file.
+
+Keys (common/http.py): bench_serving sends OPENAI_API_KEY, and only that, as `Authorization:
+Bearer` on every request, its --flush-cache included; its environment gets the server's API key
+(servers.client_env). When /flush_cache needs an admin key that differs from it, bench_serving
+cannot flush: the client then flushes the cache itself, with the admin key, right before the run,
+and runs bench_serving without --flush-cache and without its own warm-up request (which would
+fill the cache again), so that each measured run starts with an empty prefix cache as before.
 """
 
 import json
@@ -17,26 +24,29 @@ import time
 import urllib.parse
 from typing import Dict, List, Optional
 
-from serving.servers import child_env, group_alive, log, log_tail, send_signal, wait_until
+from common.http import auth_for, flush_cache, redact
+from serving.servers import client_env, group_alive, log, log_tail, send_signal, wait_until
 
 BENCH_MODULE = "sglang.benchmark.serving"
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bench_driver.py")
 
 
 def bench_command(args, base_url: str, concurrency: int, num_prompts: int, seed: int,
-                  output_len: int, output_file: str) -> List[str]:
+                  output_len: int, output_file: str, self_flush: bool = True) -> List[str]:
     """The bench_serving command line of one run (in driver mode: the equivalent command)."""
     if args.bench_cmd:
         prefix = shlex.split(args.bench_cmd)
     else:
         module = args.bench_module
         prefix = [sys.executable] + ([module] if module.endswith(".py") else ["-m", module])
-    return prefix + bench_arguments(args, base_url, concurrency, num_prompts, seed, output_len, output_file)
+    return prefix + bench_arguments(args, base_url, concurrency, num_prompts, seed, output_len, output_file,
+                                    self_flush)
 
 
 def bench_arguments(args, base_url: str, concurrency: int, num_prompts: int, seed: int,
-                    output_len: int, output_file: str) -> List[str]:
-    """bench_serving's arguments for one run, without the program."""
+                    output_len: int, output_file: str, self_flush: bool = True) -> List[str]:
+    """bench_serving's arguments for one run, without the program. self_flush False: the client
+    flushes the cache itself before the run (module doc), so no --flush-cache and no warm-up request."""
     host_port = urllib.parse.urlparse(base_url)
     # "random" with a --dataset-path takes its prompts from that file; --tokenize-prompt sends them
     # as token ids and --random-range-ratio 1.0 fixes both lengths, as for random-ids.
@@ -50,7 +60,7 @@ def bench_arguments(args, base_url: str, concurrency: int, num_prompts: int, see
            "--max-concurrency", str(concurrency), "--seed", str(seed),
            "--output-file", output_file, "--disable-tqdm"]
     if args.flush_cache:
-        cmd.append("--flush-cache")
+        cmd += ["--flush-cache"] if self_flush else ["--warmup-requests", "0"]
     return cmd + shlex.split(args.bench_args or "")
 
 
@@ -187,13 +197,18 @@ def run_bench(cmd: List[str], output_file: str, log_path: str, timeout_s: float,
 
 
 def _read_result(rc: int, output_file: str, log_path: str) -> dict:
+    """The run's result, the last line of its output file; the file is rewritten redacted first
+    (bench_serving copies the server's /server_info, keys included, into each result)."""
     if rc != 0 or not os.path.exists(output_file):
         raise RuntimeError(f"bench_serving failed (exit code {rc})" + log_tail(log_path, 20))
     with open(output_file) as f:
-        lines = [line for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
     if not lines:
         raise RuntimeError("bench_serving wrote no result" + log_tail(log_path, 20))
-    return json.loads(lines[-1])
+    lines = [redact(line) for line in lines]
+    with open(output_file, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    return lines[-1]
 
 
 class BenchClient:
@@ -206,7 +221,10 @@ class BenchClient:
 
     def __init__(self, args, arm_name: str, env: Optional[Dict[str, str]] = None):
         self.args = args
-        self.env = child_env() if env is None else env
+        # ab_serving's own --admin-api-key; the trial registers its keys (common/http.use_auth)
+        self.admin_api_key = getattr(args, "admin_api_key", None)
+        self.env = client_env(getattr(args, "url", None), self.admin_api_key) if env is None else env
+        self.flush_failed = False  # said once in the log
         self.in_process = not (args.bench_cmd or args.bench_subprocess)
         runs_dir = os.path.join(args.out_dir, "runs")
         os.makedirs(runs_dir, exist_ok=True)
@@ -240,12 +258,26 @@ class BenchClient:
 
     def run(self, base_url: str, concurrency: int, num_prompts: int, seed: int, output_len: int,
             output_file: str, log_path: str) -> dict:
-        cmd = bench_command(self.args, base_url, concurrency, num_prompts, seed, output_len, output_file)
+        self_flush = auth_for(base_url, self.admin_api_key).bench_flushes()
+        cmd = bench_command(self.args, base_url, concurrency, num_prompts, seed, output_len, output_file, self_flush)
         if not self.in_process:
+            self.flush_before(base_url, self_flush)
             return run_bench(cmd, output_file, log_path, self.args.run_timeout, self.env)
         self._wait()
-        argv = bench_arguments(self.args, base_url, concurrency, num_prompts, seed, output_len, output_file)
+        argv = bench_arguments(self.args, base_url, concurrency, num_prompts, seed, output_len, output_file,
+                               self_flush)
+        self.flush_before(base_url, self_flush)
         return run_bench(cmd, output_file, log_path, self.args.run_timeout, self.env, driver=self.driver, argv=argv)
+
+    def flush_before(self, base_url: str, self_flush: bool) -> None:
+        """Flush the prefix cache with the admin key when bench_serving cannot (module doc); a
+        failure is said once and the run goes on (both arms alike, with what the cache holds)."""
+        if self_flush or not self.args.flush_cache:
+            return
+        problem = flush_cache(base_url, self.admin_api_key)
+        if problem and not self.flush_failed:
+            self.flush_failed = True
+            log(f"WARNING: {base_url}/flush_cache failed ({problem}): runs start with what the prefix cache holds")
 
     def close(self) -> None:
         if self.driver is not None:

@@ -10,7 +10,7 @@
    --load-format dummy: same architecture, tokenizer and prompts, random weights (a router with no
    preferences), to set the two side by side.
 2. Prompts: by default held-out windows of the model's heldout.txt (documents it never trained on;
-   common/heldout.py), written to <out-dir>/heldout_prompts.json and given to ab_serving.py as
+   training/heldout.py), written to <out-dir>/heldout_prompts.json and given to ab_serving.py as
    --prompt-file: 64-token prompts, sent as token ids, and 64 output tokens with EOS ignored, so
    every arm decodes the same number of tokens from the same prompts. --prompts random-ids brings
    back random token ids (any model).
@@ -51,7 +51,7 @@ if BENCH not in sys.path:
 from common import report  # noqa: E402
 from serving import ab_serving  # noqa: E402
 from serving.demo_cost import cost_section  # noqa: E402
-from serving.oea_metrics import run_experts  # noqa: E402
+from common.oea_metrics import run_experts  # noqa: E402
 from serving.prompt_files import write_prompt_file  # noqa: E402
 from serving.servers import free_port, terminate_as_interrupt  # noqa: E402
 
@@ -171,7 +171,7 @@ def write_heldout_prompts(model_dir: str, path: str, count: int, prompt_len: int
     bench_serving tokenizes the text again, so each prompt is checked to tokenize back to exactly
     its window's `prompt_len` ids; ValueError otherwise.
     """
-    from common import heldout  # torch and the training code: only when prompts are written
+    from training import heldout  # torch and the training code: only when prompts are written
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))

@@ -18,7 +18,7 @@ import statistics
 from typing import List, Optional, Sequence, Tuple
 
 from common import report
-from serving.oea_metrics import run_experts
+from common.oea_metrics import run_experts
 
 Cell = Tuple[int, str, int, float, float]  # (C, arm, k0, T before, T after)
 

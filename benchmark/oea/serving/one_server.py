@@ -40,7 +40,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 from serving.bench_client import BenchClient
 from serving.live_settings import (apply_settings, confirm_settings, current_settings, decode_log_interval,
                                    oea_states, read_server_info)
-from serving.oea_metrics import scrape_oea_metrics
+from common.oea_metrics import scrape_oea_metrics
 from serving.prompt_files import switch_warmup_prompts
 from serving.servers import Server, child_env, launcher_command, log, port_in_use, wait_ready
 from serving.sweep import Arm, measure_run, run_warm_up, warm_up

@@ -38,7 +38,7 @@ Writes DIR/quality.json, DIR/quality.md (printed too), DIR/outputs.jsonl (per pr
 DIR/arm_<name>.json (each arm's raw outputs, reusable with --baseline-from / --oea-from).
 
 Modules: quality_inputs.py (the prompts), quality_client.py (the requests), quality_scoring.py
-(the measures), quality_report.py (the files), serving/oea_metrics.py (the OEA step counters).
+(the measures), quality_report.py (the files), common/oea_metrics.py (the OEA step counters).
 """
 
 import argparse

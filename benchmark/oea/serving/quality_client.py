@@ -1,7 +1,8 @@
 """The quality A/B's client: every prompt of an arm through one OpenAI-compatible server, greedy,
 a fixed number of requests in flight, in order. Standard library only.
 
-Tokens are compared by id: SGLang's /v1/completions returns the generated ids in
+Every request carries the key its endpoint needs (common/http.py, from the keys registered for the
+server). Tokens are compared by id: SGLang's /v1/completions returns the generated ids in
 choices[0].token_ids when asked with "return_token_ids": true (logprobs tokens are display
 strings, and two ids can render the same).
 """
@@ -9,23 +10,18 @@ strings, and two ids can render the same).
 import argparse
 import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Optional, Sequence
 
-from serving.oea_metrics import applied_share
+from common.oea_metrics import applied_share
 from serving.quality_inputs import Item, Prompt, prompts_digest
-from serving.servers import http_json
+from common import http
+from common.http import http_json
 
 
 def fetch_text(url: str, timeout: float = 30.0) -> Optional[str]:
-    """Body of a GET, or None when the server does not serve it (404, connection refused...)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
-        return None
+    """Body of a GET, or None when the server does not serve it (404, 401, connection refused...)."""
+    return http.http_get(url, timeout)
 
 
 def served_model(base_url: str) -> str:
@@ -39,13 +35,8 @@ def served_model(base_url: str) -> str:
 
 
 def flush_cache(base_url: str) -> bool:
-    """Ask SGLang to drop its prefix cache (so both arms prefill alike); False if not supported."""
-    request = urllib.request.Request(base_url + "/flush_cache", b"", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    """Ask SGLang to drop its prefix cache (so both arms prefill alike); False if it did not."""
+    return http.flush_cache(base_url) is None
 
 
 def complete(base_url: str, model: str, prompt: Prompt, opts: argparse.Namespace) -> Dict:

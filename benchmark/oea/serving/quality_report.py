@@ -6,7 +6,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from serving.oea_metrics import APPLIED_DEFINITION
+from common.oea_metrics import APPLIED_DEFINITION
 from serving.quality_inputs import Item
 from serving.quality_scoring import (AGREEMENT_DEFINITION, DIVERGENCE_DEFINITION, REFERENCE_DEFINITION, build_report,
                                      extract_answer, first_divergence, reference_match)

@@ -12,7 +12,6 @@ server's process group is left running.
 """
 
 import importlib.util
-import json
 import os
 import shlex
 import shutil
@@ -21,11 +20,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import threading
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from common.http import auth_for, http_get, http_status, redact_argv  # noqa: F401  (http_get: imported from here too)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -37,34 +36,6 @@ def log(msg: str) -> None:
     print(f"[ab] {msg}", flush=True)
 
 
-def http_get(url: str, timeout: float = 5.0) -> Optional[str]:
-    """Body of a 200 answer, or None on any error."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            if resp.status == 200:
-                return resp.read().decode("utf-8", errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
-        pass
-    return None
-
-
-def http_json(url: str, payload: Optional[Dict] = None, timeout: float = 600.0,
-              headers: Optional[Dict[str, str]] = None):
-    """GET (payload None) or POST JSON; the decoded answer. RuntimeError with the body on HTTP errors;
-    URLError / OSError when nothing answers. headers: extra request headers (e.g. Authorization)."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError:
-        raise RuntimeError(f"{url}: the answer is not JSON: {body[:200]!r}") from None
-
-
 class PortTakenError(RuntimeError):
     """The server could not bind its HTTP port: another process took it after free_port() chose it."""
 
@@ -74,11 +45,12 @@ PORT_TAKEN = "error while attempting to bind on address"  # uvicorn's line; the 
 
 def wait_ready(base_url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None,
                log_path: Optional[str] = None) -> None:
-    """Wait until /health and /v1/models both answer 200; raise on timeout or if proc exits, and
-    PortTakenError as soon as the log says the HTTP port was taken."""
+    """Wait until /health answers 200 and /v1/models answers (200, or 401 from a server started with
+    --api-key whose key is not registered: its HTTP app is up); raise on timeout or if proc exits,
+    and PortTakenError as soon as the log says the HTTP port was taken."""
     start = time.time()
     while True:
-        if http_get(base_url + "/health") is not None and http_get(base_url + "/v1/models") is not None:
+        if http_get(base_url + "/health") is not None and http_status(base_url + "/v1/models") in (200, 401):
             log(f"server at {base_url} ready after {time.time() - start:.0f}s")
             return
         if log_path and os.path.exists(log_path) and PORT_TAKEN in open(log_path, errors="replace").read():
@@ -119,7 +91,7 @@ class Server:
     def __init__(self, cmd: List[str], log_path: str, env: Dict[str, str]):
         self.cmd, self.log_path = cmd, log_path
         self._log = open(log_path, "w")
-        log("starting: " + shlex.join(cmd))
+        log("starting: " + shlex.join(redact_argv(cmd)))  # a key flag's value never reaches a log
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -212,12 +184,28 @@ def launcher_command(args) -> List[str]:
     return cmd
 
 
+# The trial's own key variables: read by the trial, never handed to a child.
+KEY_VARIABLES = ("OEA_API_KEY", "OEA_ADMIN_API_KEY")
+
+
 def child_env() -> Dict[str, str]:
-    """The environment of servers and clients: sglang_oea importable from this checkout if needed."""
-    env = dict(os.environ)
+    """The environment of servers and clients: sglang_oea importable from this checkout if needed,
+    without the trial's key variables (KEY_VARIABLES)."""
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
     if importlib.util.find_spec("sglang_oea") is None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (os.path.join(_REPO, "python"), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def client_env(base_url: Optional[str], admin_api_key: Optional[str] = None) -> Dict[str, str]:
+    """child_env() for a client that sends its own requests to base_url (bench_serving, lm-eval):
+    OPENAI_API_KEY set to the server's API key when one is registered (common/http.use_auth); both
+    read it and send it as `Authorization: Bearer`. Never the admin key."""
+    env = child_env()
+    api_key = auth_for(base_url or "", admin_api_key).api_key
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key
     return env
 
 
@@ -252,3 +240,30 @@ def terminate_as_interrupt(signals: Sequence[int] = (signal.SIGTERM, signal.SIGH
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def signals_held(signals: Sequence[int] = HELD_SIGNALS) -> Iterator[None]:
+    """Within: `signals` are held, so no Ctrl-C or SIGTERM cuts short what runs inside (putting a
+    server's settings back): a handler that only notes them replaces the ones in force, and on exit
+    those come back and each noted signal is raised again, in order, for them to handle. (Python
+    runs signal handlers in the main thread whichever thread the signal reached; blocking it there
+    with pthread_sigmask would not hold one delivered to another thread.) SIGKILL cannot be held.
+    Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: List[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if held:
+            log(f"signal(s) {held} held until the settings were put back")
+        for sig in held:
+            signal.raise_signal(sig)

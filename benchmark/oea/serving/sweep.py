@@ -14,9 +14,10 @@ from typing import Dict, List, Optional, Sequence
 
 from common import report
 from serving.bench_client import BenchClient
-from serving.oea_metrics import counter_deltas, scrape_oea_metrics, steps_share
+from common.oea_metrics import counter_deltas, scrape_oea_metrics, steps_share
 from serving.prompt_files import num_prompts_for
-from serving.servers import Server, child_env, http_get, launcher_command, log, log_tail, port_in_use, wait_ready
+from common.http import http_get
+from serving.servers import Server, child_env, launcher_command, log, log_tail, port_in_use, wait_ready
 
 # bench_serving result keys kept in results.jsonl (the rest, e.g. server_info, is left out).
 _DROP_KEYS = ("server_info", "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")

@@ -68,7 +68,7 @@ def model_study(model_dir: str, cfg: StudyConfig, log) -> Tuple[List[Dict], Dict
     """Every (policy, knob, B) of one model: rows and per-sequence NLL per token."""
     name = os.path.basename(model_dir.rstrip("/"))
     model = load_model(model_dir)
-    from common import heldout
+    from training import heldout
 
     windows = heldout.heldout_windows(model_dir, cfg.count, cfg.prompt_len + cfg.continuation + 1, cfg.seed)
     rows, per_seq = [], {}

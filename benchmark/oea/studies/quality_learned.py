@@ -1,6 +1,6 @@
 """OEA's output quality on the two trained checkpoints (benchmark/oea/models/), through the server.
 
-For each model: held-out (prompt, true continuation) token windows (common/heldout.py); a baseline server
+For each model: held-out (prompt, true continuation) token windows (training/heldout.py); a baseline server
 (plain routing, the plugin loaded, OEA off) and then one OEA server per --k0, one at a time, each
 started once and serving every --concurrency. Each arm is a serving/quality_ab.py run: the prompts are sent
 as token ids, greedy, exactly --continuation-len tokens (ignore_eos), C requests in flight. The
@@ -40,7 +40,7 @@ if BENCH not in sys.path:
 
 from common import stats  # noqa: E402
 from serving import quality_ab  # noqa: E402
-from serving.oea_metrics import APPLIED_DEFINITION  # noqa: E402
+from common.oea_metrics import APPLIED_DEFINITION  # noqa: E402
 from serving.quality_inputs import Item, load_prompts  # noqa: E402
 from serving.quality_report import write_json  # noqa: E402
 from serving.quality_scoring import (AGREEMENT_DEFINITION, BOOTSTRAP_RESAMPLES, REFERENCE_DEFINITION,  # noqa: E402
@@ -74,7 +74,7 @@ def log(msg: str) -> None:
 
 def write_prompts(model_dir: str, path: str, args: argparse.Namespace) -> List[Item]:
     """Held-out windows as quality_ab prompts ({"prompt": ids, "reference_ids": ids} a line): [n] items."""
-    from common import heldout
+    from training import heldout
 
     rows = heldout.prompt_continuations(model_dir, args.num_prompts, args.prompt_len, args.continuation_len,
                                         args.seed)
@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=128, help="held-out windows per model")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
     p.add_argument("--continuation-len", type=int, default=32, help="generated (and reference) tokens")
-    p.add_argument("--seed", type=int, default=0, help="which held-out windows (common/heldout.py)")
+    p.add_argument("--seed", type=int, default=0, help="which held-out windows (training/heldout.py)")
     p.add_argument("--out-dir", required=True, help="quality.json, quality.md, per_prompt.jsonl, command.txt")
     p.add_argument("--work-dir", help="arms, quality_ab reports, server logs (default: a new temporary folder)")
     p.add_argument("--reuse", action="store_true", help="take the arms already in --work-dir instead of "

@@ -7,7 +7,7 @@
 For each model:
 1. Records (unless --dump-dir gives a recording): a CPU server (`sglang_oea.cpu_serve`) with
    `--oea-k0 <top-k>` (OEA a no-op, so SGLang's own routing is recorded) and
-   `--oea-dump-router-logits`, sent --concurrency held-out prompts at once (common/heldout.py), each
+   `--oea-dump-router-logits`, sent --concurrency held-out prompts at once (training/heldout.py), each
    sampled at temperature 1 for --output-len tokens. The first --steps decode steps are recorded.
 2. T against B: from every recorded step with at least --batch rows, per layer, the router's own
    ids of B rows drawn without replacement (--draws per step), for B = 1 ... --batch. The rows of
@@ -36,7 +36,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmark
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)  # its folders import as packages
 
-from common import heldout  # noqa: E402
+from training import heldout  # noqa: E402
 from serving.servers import child_env, cpu_server, terminate_as_interrupt  # noqa: E402
 from studies import simulate  # noqa: E402
 

@@ -102,7 +102,7 @@ def model_cells(model_dir: str, batches: Sequence[int], k0s: Sequence[int], coun
                 continuation: int, seed: int, log) -> List[Dict]:
     """Every (k0, B) cell of one model: OEA against plain routing at the same B (its NLL does not
     depend on B, its T does)."""
-    from common import heldout
+    from training import heldout
 
     name = os.path.basename(model_dir.rstrip("/"))
     model = fe.load_model(model_dir)

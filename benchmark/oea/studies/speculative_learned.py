@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=48, help="held-out windows per model")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
     p.add_argument("--continuation-len", type=int, default=32, help="generated (and reference) tokens")
-    p.add_argument("--seed", type=int, default=0, help="which held-out windows (common/heldout.py)")
+    p.add_argument("--seed", type=int, default=0, help="which held-out windows (training/heldout.py)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--work-dir", help="server logs and prompts (default: a new temporary folder)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server")

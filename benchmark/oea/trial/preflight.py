@@ -4,10 +4,17 @@ whether a trial on it can mean anything.
 Reads GET /server_info once: each scheduler's OEA state (internal_states[i]["oea"]: the settings
 in force, the startup envelope, --oea-verify, the routing kernel and its self-check), SGLang's own
 fields (speculative_algorithm, speculative_num_draft_tokens, enable_metrics, tp_size, dp_size,
-decode_log_interval) and the model's top-k (its config.json). Then, for every concurrency C, whether
-OEA's batch gate can open there: a decode or verify pass of R = min(C, max running requests)
-requests routes R x D token rows (D = draft tokens under speculative decoding, else 1); the gate is
-open when R >= min_batch and, with a cap, R x D <= max_batch.
+decode_log_interval) and the model's top-k (its config.json). SGLang's limits (Limits): the requests
+one replica runs at once (internal_states[i]["effective_max_running_requests_per_dp"], else
+max_running_requests; under speculative decoding SGLang sets 48 when --max-running-requests is not
+given), the data-parallel replicas (dp_size: each forms its own batches from about C / N of the
+requests) and the decode CUDA graphs' largest batch (cuda_graph_config.decode.max_bs).
+
+Then, for every concurrency C, whether OEA's batch gate can open there, on the batch a replica
+really forms: its R = min(C / N, max running requests) requests route R x D token rows (D = draft
+tokens under speculative decoding, else 1); the gate is open when R >= min_batch on every replica
+(floor(C / N)) and, with a cap, R x D <= max_batch on every replica (ceil(C / N)). A concurrency
+above what a replica runs at once is marked (the rest of its requests wait in the queue).
 
 What cannot give a meaningful trial raises TrialRefused, naming the flag or field and what to do.
 Nothing is sent but that one GET.
@@ -29,15 +36,31 @@ class TrialRefused(RuntimeError):
     """The trial cannot mean anything on this server with these flags; nothing was sent but a GET."""
 
 
+EAGLE_DEFAULT_MAX_RUNNING = 48  # SGLang 0.5.23 under EAGLE-family decoding without --max-running-requests
+
+
+@dataclass
+class Limits:
+    """SGLang's own limits on the batch a replica forms, from /server_info."""
+
+    max_running: Optional[int] = None  # requests one replica runs at once (None: not reported)
+    default_cap: bool = False  # max_running is SGLang's speculative default, not a flag
+    replicas: int = 1  # data-parallel replicas (dp_size), each with its own scheduler and batches
+    graph_max_bs: Optional[int] = None  # decode CUDA graphs' largest batch (None: no graphs, or not reported)
+
+
 @dataclass
 class Gate:
-    """Whether OEA's batch gate can open at one concurrency."""
+    """Whether OEA's batch gate can open at one concurrency, on the batch one replica forms."""
 
     concurrency: int
-    requests: int  # requests in a pass: min(C, the server's max running requests)
-    rows: int  # routed token rows: requests x rows per request
+    requests: int  # requests in one replica's pass: min(ceil(C / replicas), its max running requests)
+    rows: int  # routed token rows of that pass: requests x rows per request
     open: bool
     why: str  # one line: the arithmetic that decides it
+    replicas: int = 1
+    above_limit: bool = False  # C / replicas is above what a replica runs at once: the rest wait
+    eager: bool = False  # requests above the decode CUDA graphs' largest batch: those passes run eagerly
 
 
 @dataclass
@@ -55,6 +78,18 @@ class Preflight:
     gates: List[Gate]
     lines: List[str] = field(default_factory=list)  # what the preflight prints and the report shows
     warnings: List[str] = field(default_factory=list)
+    limits: Limits = field(default_factory=Limits)
+
+    def gate(self, conc: int) -> Gate:
+        """The gate at any concurrency (swept or not), with the server's settings and limits."""
+        return gate_at(conc, self.original, self.rows_per_request, self.limits.max_running, self.limits.replicas,
+                       self.limits.graph_max_bs)
+
+    def smallest_open_concurrency(self) -> Optional[int]:
+        """The smallest concurrency at which the gate opens on every replica: --oea-min-batch requests
+        per replica (under speculative decoding as many requests, each of D rows); None when it opens
+        at no concurrency up to the largest swept one."""
+        return next((c for c in range(1, max(self.open_concurrencies, default=0) + 1) if self.gate(c).open), None)
 
     @property
     def open_concurrencies(self) -> List[int]:
@@ -98,21 +133,62 @@ def model_top_k(info: Dict, tokenizer: Optional[str]) -> Optional[int]:
     return None
 
 
-def gate_at(conc: int, settings: Dict[str, int], rows_per_request: int, max_running: Optional[int]) -> Gate:
+def gate_at(conc: int, settings: Dict[str, int], rows_per_request: int, max_running: Optional[int],
+            replicas: int = 1, graph_max_bs: Optional[int] = None) -> Gate:
     """Whether the gate in `settings` (oea_min_batch requests, oea_max_batch token rows, 0 = no cap)
-    can open for a pass at concurrency conc."""
-    requests = min(conc, max_running) if max_running else conc
-    rows = requests * rows_per_request
+    can open at concurrency conc on every one of `replicas` data-parallel replicas, each forming
+    passes of about conc / replicas requests, at most max_running (see the module doc)."""
+    def running(n: int) -> int:
+        return min(n, max_running) if max_running else n
+
+    fewest, most = running(conc // replicas), running(-(-conc // replicas))
+    rows = most * rows_per_request
     floor, cap = settings.get("oea_min_batch", 1), settings.get("oea_max_batch", 0)
-    reqs = f"{requests} request{'s' if requests != 1 else ''}"
+    above = bool(max_running) and -(-conc // replicas) > max_running
+    eager = bool(graph_max_bs) and most > graph_max_bs
+    span = f"{fewest}" if fewest == most else f"{fewest}-{most}"
+    reqs = f"{span} request{'s' if most != 1 else ''}" + (f" per replica ({replicas} replicas)" if replicas > 1 else "")
     per = f"{reqs} x {rows_per_request} rows = {rows} rows" if rows_per_request > 1 else reqs
-    capped = f"; the server runs at most {max_running} requests at once" if requests < conc else ""
-    if requests < floor:
-        return Gate(conc, requests, rows, False, f"{per} < min_batch {floor}{capped}")
-    if cap and rows > cap:
-        return Gate(conc, requests, rows, False, f"{per} > max_batch {cap} token rows{capped}")
-    bound = f"<= max_batch {cap} rows" if cap else "no max_batch cap"
-    return Gate(conc, requests, rows, True, f"{per}: >= min_batch {floor}, {bound}{capped}")
+    notes = (f"; the server runs at most {max_running} requests at once{' per replica' if replicas > 1 else ''}: "
+             "the rest wait" if above else "")
+    notes += f"; above cuda_graph_max_bs {graph_max_bs}: these passes run without CUDA graphs" if eager else ""
+    gate = Gate(conc, most, rows, True, "", replicas, above, eager)
+    if fewest < floor:
+        gate.open, gate.why = False, f"{per} < min_batch {floor}{notes}"
+    elif cap and rows > cap:
+        gate.open, gate.why = False, f"{per} > max_batch {cap} token rows{notes}"
+    else:
+        bound = f"<= max_batch {cap} rows" if cap else "no max_batch cap"
+        gate.why = f"{per}: >= min_batch {floor}, {bound}{notes}"
+    return gate
+
+
+def positive_int(value) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def decode_graph_max_bs(info: Dict) -> Optional[int]:
+    """The decode CUDA graphs' largest batch: cuda_graph_config.decode.max_bs (SGLang 0.5.23), else
+    the older cuda_graph_max_bs flags; None with decode graphs disabled or when not reported."""
+    if info.get("disable_cuda_graph"):
+        return None
+    decode = (info.get("cuda_graph_config") or {}).get("decode") or {}
+    if decode.get("backend") == "disabled":
+        return None
+    return (positive_int(decode.get("max_bs")) or positive_int(info.get("cuda_graph_max_bs_decode"))
+            or positive_int(info.get("cuda_graph_max_bs")))
+
+
+def read_limits(info: Dict, speculative: Optional[str]) -> Limits:
+    """SGLang's limits on the batch a replica forms (Limits), from a /server_info answer."""
+    first = (info.get("internal_states") or [{}])[0] or {}
+    max_running = (positive_int(first.get("effective_max_running_requests_per_dp"))
+                   or positive_int(info.get("max_running_requests")))
+    launch = info.get("launch_command")
+    launch = " ".join(launch) if isinstance(launch, list) else str(launch or "")
+    default_cap = bool(speculative) and max_running == EAGLE_DEFAULT_MAX_RUNNING and "--max-running-requests" \
+        not in launch
+    return Limits(max_running, default_cap, positive_int(info.get("dp_size")) or 1, decode_graph_max_bs(info))
 
 
 def kernel_lines(states: List[Dict]) -> Tuple[List[str], bool]:
@@ -151,10 +227,11 @@ def preflight(url: str, tokenizer: Optional[str], k0s: Sequence[int], concurrenc
         raise TrialRefused(str(e)) from None
     speculative = info.get("speculative_algorithm") or None
     rows = int(info.get("speculative_num_draft_tokens") or 1) if speculative else 1
-    first = info.get("internal_states", [{}])[0]
-    max_running = first.get("effective_max_running_requests_per_dp") or info.get("max_running_requests") or None
-    gates = [gate_at(c, original, rows, max_running) for c in concurrencies]
-    pre = Preflight(url, info, states, original, model_top_k(info, tokenizer), speculative, rows, max_running, gates)
+    limits = read_limits(info, speculative)
+    gates = [gate_at(c, original, rows, limits.max_running, limits.replicas, limits.graph_max_bs)
+             for c in concurrencies]
+    pre = Preflight(url, info, states, original, model_top_k(info, tokenizer), speculative, rows, limits.max_running,
+                    gates, limits=limits)
     describe(pre)
     refuse_if_meaningless(pre, k0s)
     return pre
@@ -182,9 +259,29 @@ def describe(pre: Preflight) -> None:
                      f"{pre.decode_log_interval} decode steps (--decode-log-interval); tp_size "
                      f"{pre.info.get('tp_size', '?')}, dp_size {pre.info.get('dp_size', '?')}")
     pre.lines.append(f"model top-k: {pre.top_k or 'unknown (no config.json in --tokenizer or the model path)'}")
+    pre.lines.append(limits_line(pre.limits))
     if k0_now:
         pre.warnings.append(f"OEA is on now (k0 {k0_now}): the trial measures OEA off against each --k0 and puts "
                             f"k0 {k0_now} back at the end")
+    above = [g.concurrency for g in pre.gates if g.above_limit]
+    if above:
+        pre.warnings.append(f"C={', '.join(map(str, above))}: above the {pre.limits.max_running} requests a replica "
+                            "runs at once; the rest wait in the queue, so these cells measure batches of "
+                            f"{pre.limits.max_running} (raise --max-running-requests to measure more)")
+
+
+def limits_line(limits: Limits) -> str:
+    """The preflight's line on SGLang's limits."""
+    if limits.max_running:
+        why = (" (SGLang's default under speculative decoding: --max-running-requests is not set)"
+               if limits.default_cap else "")
+        running = f"each replica runs at most {limits.max_running} requests at once{why}"
+    else:
+        running = "the running-request limit is not reported"
+    graphs = (f"decode CUDA graphs up to {limits.graph_max_bs} requests per pass" if limits.graph_max_bs
+              else "no decode CUDA graphs reported")
+    return (f"limits: {running}; {graphs}; {limits.replicas} data-parallel replica(s), each forming its own batches "
+            f"(about C / {limits.replicas} requests each)")
 
 
 def refuse_if_meaningless(pre: Preflight, k0s: Sequence[int]) -> None:

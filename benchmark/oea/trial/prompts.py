@@ -37,10 +37,11 @@ def default_documents(tokenizer: str) -> Tuple[List[str], str]:
             "like the ones you serve")
 
 
-def write_default_prompts(tokenizer: str, path: str, count: int, input_len: int) -> str:
-    """`count` windows of input_len + WINDOW_MARGIN tokens, one per document in a seeded order, as a
-    prompt file at `path`; returns its label. SystemExit naming --prompt-file when there are too
-    few long documents."""
+def write_default_prompts(tokenizer: str, path: str, count: int, input_len: int, wanted: int = 0) -> str:
+    """`count` windows of input_len + WINDOW_MARGIN tokens (up to `wanted` when more long documents
+    exist: the accept-length probe draws fresh prompts until resolved), one per document in a seeded
+    order, as a prompt file at `path`; returns its label. SystemExit naming --prompt-file when there
+    are fewer than `count` long documents."""
     from transformers import AutoTokenizer
 
     texts, label = default_documents(tokenizer)
@@ -52,7 +53,7 @@ def write_default_prompts(tokenizer: str, path: str, count: int, input_len: int)
         ids = tok.encode(texts[i][:40 * (input_len + WINDOW_MARGIN)], add_special_tokens=False)
         if len(ids) >= input_len + WINDOW_MARGIN:
             pairs.append((tok.decode(ids[:input_len + WINDOW_MARGIN]), ""))
-        if len(pairs) == count:
+        if len(pairs) == max(count, wanted):
             break
     if len(pairs) < count:
         raise SystemExit(f"--prompt-file: the default prompts hold {len(pairs)} windows of {input_len} tokens, "
@@ -86,14 +87,15 @@ def usable_prompt_file(path: str, tokenizer: str, input_len: int, needed: int, o
 
 
 def trial_prompt_file(prompt_file: Optional[str], tokenizer: str, input_len: int, needed: int,
-                      out_dir: str) -> Tuple[str, str]:
-    """(prompt file path, label) for the trial: the operator's file (usable_prompt_file) or the default."""
+                      out_dir: str, wanted: int = 0) -> Tuple[str, str]:
+    """(prompt file path, label) for the trial: the operator's file (usable_prompt_file) or the
+    default (up to `wanted` prompts when there are that many windows, `needed` at least)."""
     if prompt_file:
         return usable_prompt_file(os.path.abspath(prompt_file), tokenizer, input_len, needed, out_dir)
     path = os.path.join(out_dir, "default_prompts.json")
-    return path, write_default_prompts(tokenizer, path, needed, input_len)
+    return path, write_default_prompts(tokenizer, path, needed, input_len, wanted)
 
 
-def prompt_texts(path: str, count: int) -> List[str]:
-    """The first `count` prompts (first turns) of a prompt file: the accept-length probe's prompts."""
+def prompt_texts(path: str, count: Optional[int] = None) -> List[str]:
+    """The first `count` prompts (first turns; None: all) of a prompt file: the accept-length probe's."""
     return load_prompt_file(path)[:count]

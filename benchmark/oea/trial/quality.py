@@ -1,6 +1,9 @@
 """The trial's quality arms and accept-length probe (trial.py), all on the one server, k0 set live.
 
-Quality, per arm (OEA off, then each k0), at one fixed concurrency:
+Quality, per arm (OEA off, then each k0), at each quality concurrency (quality_concurrencies): by
+default the smallest concurrency at which the server's gate opens (--oea-min-batch requests per
+replica: where OEA gives up the most routing), and the largest swept concurrency with an open gate;
+--quality-concurrency replaces both. Each is one run of:
 - lm-eval: lm-evaluation-harness's `local-completions` model against the server's
   /v1/completions, the operator's task, samples logged. It runs in one long-lived process
   (serving/_bench_driver.py, entry lm_eval.__main__:cli_evaluate: exactly what the `lm_eval`
@@ -10,35 +13,44 @@ Quality, per arm (OEA off, then each k0), at one fixed concurrency:
   (prompts with an answer) or reference match (prompts with reference_ids).
 Each k0 is compared with OEA off per sample (doc or prompt), paired: the mean difference with a 95%
 percentile bootstrap interval (common/stats.paired_mean_difference). It is within its bound when
-the interval's worse end stays within --quality-margin of zero.
+the interval's worse end stays within --quality-margin of zero. A quality concurrency past the
+first runs only when it fits the budget (budget.Budget.quality_fits).
 
 Accept length, under speculative decoding: SGLang's own per-request figure (completion tokens /
-verify passes, asked with return_spec_tokens_details) for the prompt file's first prompts, greedy,
-at each open concurrency, per arm; OEA against off paired by prompt: mean(OEA - off) / mean(off)
-with the bootstrap interval of the numerator. Non-inferior when the interval's lower end is above
--ACCEPT_BOUND (-5%).
+verify passes, asked with return_spec_tokens_details), greedy, at each open concurrency, per arm,
+on fresh prompts of the prompt file round after round; OEA against off paired by prompt:
+mean(OEA - off) / mean(off) with the bootstrap interval of the numerator. Non-inferior when the
+interval's lower end is above -ACCEPT_BOUND (-5%). The probe is sized for that bound: a first round
+of the floor's prompts (--accept-prompts, at least 2 C), then rounds sized from the interval's width
+until every k0's interval is clear of the bound (all above it, or all below), the concurrency's
+share of the budget is spent, or the prompt file runs out; each check says which ("sized").
 """
 
 import argparse
 import glob
 import importlib.util
 import json
+import math
 import os
 import random
 import shlex
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from common import stats
 from serving.bench_client import BenchDriver
 from serving.live_settings import apply_settings, arm_settings, confirm_settings
-from serving.oea_metrics import applied_share, kept_router_mass
+from common.oea_metrics import applied_share, kept_router_mass
 from serving.quality_client import fetch_text, run_arm, served_model
 from serving.quality_inputs import Item, load_prompts
 from serving.quality_report import write_report
 from serving.quality_scoring import BOOTSTRAP_RESAMPLES, grade, reference_matches
 from serving.servers import child_env, log
+from trial.budget import Budget, share_of
 
 ACCEPT_BOUND = 0.05  # accept length: OEA - off may lose at most 5% of off's mean (lower 95% bound)
+ACCEPT_FLOOR = 32  # the accept-length probe's first round, in prompts, at the least (--accept-prompts)
+ACCEPT_POOL = 1024  # default prompts written for the probe to draw from, at most (prompts.py)
 LM_EVAL_PACKAGES = ("lm_eval", "tenacity", "aiohttp")  # lm-eval[api]: what local-completions imports
 LM_EVAL_INSTALL = ("pip install 'sglang-oea[trial]' (or: pip install 'lm-eval[api]>=0.4,<0.5'; "
                    "lm-evaluation-harness 0.4.x)")
@@ -157,11 +169,13 @@ class LmEvalClient:
     lm_eval.__main__ once, then runs `lm_eval ARGS` (cli_evaluate) per request. Started at the
     preflight to check the task (`lm_eval validate`), kept for the arms, killed by close()."""
 
-    def __init__(self, out_dir: str, timeout_s: float):
+    def __init__(self, out_dir: str, timeout_s: float, env: Optional[Dict[str, str]] = None):
+        """env: the driver's environment (default child_env(); the trial passes servers.client_env,
+        whose OPENAI_API_KEY local-completions sends as the server's API key)."""
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir, self.timeout_s = out_dir, timeout_s
-        self.driver = BenchDriver("lm_eval.__main__", os.path.join(out_dir, "lm_eval_driver.log"), child_env(),
-                                  timeout_s, entry="cli_evaluate")
+        self.driver = BenchDriver("lm_eval.__main__", os.path.join(out_dir, "lm_eval_driver.log"),
+                                  child_env() if env is None else env, timeout_s, entry="cli_evaluate")
 
     def run(self, argv: List[str], name: str) -> Tuple[int, str]:
         """`lm_eval ARGV` in the driver; (its exit status, its log's path)."""
@@ -187,16 +201,21 @@ class LmEvalClient:
         self.driver.close(kill=True)
 
 
-def run_lm_eval(args, url: str, k0s: Sequence[int], concurrency: int, client: LmEvalClient) -> Dict:
-    """Every arm through lm-eval (client); each k0 paired with off."""
+def run_lm_eval(args, url: str, k0s: Sequence[int], concurrency: int, client: LmEvalClient,
+                budget: Optional[Budget] = None) -> Dict:
+    """Every arm through lm-eval (client) at one concurrency, its files under lm_eval_<arm>_c<C>;
+    each k0 paired with off. The first arm's time goes to the budget's estimates."""
     model = served_model(url)
 
     def arm(name: str, k0: int) -> Tuple[Dict, Dict]:
-        output_path = os.path.join(client.out_dir, f"lm_eval_{name}")
+        output_path = os.path.join(client.out_dir, f"lm_eval_{name}_c{concurrency}")
         log(f"quality: lm-eval {args.lm_eval_task}, arm {name}, {concurrency} requests in flight")
-        rc, log_path = client.run(lm_eval_argv(args, url, model, concurrency, output_path), name)
+        t0 = time.time()
+        rc, log_path = client.run(lm_eval_argv(args, url, model, concurrency, output_path), f"{name}_c{concurrency}")
         if rc != 0:
             raise RuntimeError(f"lm_eval failed (exit code {rc}) in arm {name}; see {log_path}")
+        if budget is not None:
+            budget.quality_arm_s.setdefault(concurrency, time.time() - t0)
         return lm_eval_samples(output_path, args.lm_eval_metric, args.lm_eval_filter)
 
     arms, applied = each_arm(url, k0s, args.admin_api_key, arm)
@@ -223,16 +242,21 @@ def sample_scores(items: Sequence[Item], outputs: Sequence[Dict]) -> Tuple[str, 
     return "reference match", reference_matches(items, outputs)
 
 
-def run_quality_ab(args, url: str, k0s: Sequence[int], concurrency: int, out_dir: str) -> Dict:
-    """Every arm through quality_ab's client; each k0 paired with off (quality_ab's own report
-    files for each k0 in out_dir/quality_ab_k0_<k0>/)."""
+def run_quality_ab(args, url: str, k0s: Sequence[int], concurrency: int, out_dir: str,
+                   budget: Optional[Budget] = None) -> Dict:
+    """Every arm through quality_ab's client at one concurrency; each k0 paired with off (quality_ab's
+    own report files for each k0 in out_dir/quality_ab_k0_<k0>_c<C>/). The first arm's time goes to
+    the budget's estimates."""
     items = load_prompts(args.quality_prompts)
     opts = argparse.Namespace(concurrency=concurrency, max_tokens=args.quality_max_tokens, ignore_eos=False,
                               model=None, timeout=args.run_timeout)
-    arms, applied = each_arm(url, k0s, args.admin_api_key, lambda name, k0: run_arm(name, url, items, opts))
+    arms, applied = each_arm(url, k0s, args.admin_api_key,
+                             lambda name, k0: run_arm(f"{name}_c{concurrency}", url, items, opts))
+    if budget is not None and arms[0].get("elapsed_s"):
+        budget.quality_arm_s.setdefault(concurrency, arms[0]["elapsed_s"])
     results, measure = {}, None
     for k0 in k0s:
-        report_dir = os.path.join(out_dir, f"quality_ab_k0_{k0}")
+        report_dir = os.path.join(out_dir, f"quality_ab_k0_{k0}_c{concurrency}")
         os.makedirs(report_dir, exist_ok=True)
         write_report(report_dir, items, {"baseline": arms[0], "oea": arms[k0]})
         measure, base = sample_scores(items, arms[0]["outputs"])
@@ -247,19 +271,124 @@ def run_quality_ab(args, url: str, k0s: Sequence[int], concurrency: int, out_dir
 # ----------------------------------------------------------------------------- accept length
 
 
+def decided(check: Dict) -> bool:
+    """Whether an accept_check's interval is clear of its bound: wholly above it (non-inferior) or
+    wholly below it (shown worse); more prompts would not change the verdict."""
+    return check["low"] > check["bound"] or check["high"] < check["bound"]
+
+
+def next_round(checks: Dict[int, Dict], used: int, conc: int, available: int, affordable: int) -> int:
+    """Prompts of the accept probe's next round: enough for the least decided k0's interval to
+    clear the bound, its half-width taken to shrink as 1/sqrt(n) (x 1.2 for margin), at least C and
+    at most 3 x the prompts used so far; no more than the prompts still available or affordable in
+    time; 0 when not even C (or what is left of the file) fits."""
+    need = 0
+    for check in checks.values():
+        if decided(check):
+            continue
+        half, gap = (check["high"] - check["low"]) / 2, abs(check["change"] - check["bound"])
+        total = used * 1.2 * (half / gap) ** 2 if gap > 0 else 3 * used
+        need = max(need, math.ceil(total) - used)
+    size = min(max(need, conc), 3 * used, available)
+    if size <= affordable:
+        return size
+    return affordable if affordable >= min(conc, available) else 0
+
+
+def accept_at(url: str, k0s: Sequence[int], conc: int, prompts: Sequence[str], output_len: int,
+              admin_api_key: Optional[str], timeout: float, floor: int, time_left: Callable[[], float],
+              budget: Optional[Budget] = None) -> Dict[int, Dict]:
+    """{k0: accept_check} at one concurrency, sized for its bound (see the module doc), each with
+    "prompts" (paired prompts), "rounds", "floor" and "sized" (why the probe stopped there)."""
+    opts = argparse.Namespace(concurrency=conc, max_tokens=output_len, ignore_eos=True, model=None,
+                              timeout=timeout, spec_details=True)
+    lengths: Dict[int, List[float]] = {k0: [] for k0 in [0, *k0s]}
+    first = min(max(floor, 2 * conc), len(prompts))
+    size, used, rounds = first, 0, 0
+    while True:
+        items = [Item(p) for p in prompts[used:used + size]]
+        log(f"accept length: round {rounds + 1}, {len(items)} prompts at C={conc}, OEA off and k0 "
+            f"{' '.join(map(str, k0s))}")
+        t0 = time.time()
+        arms, _ = each_arm(url, k0s, admin_api_key,
+                           lambda name, k0: run_arm(f"{name}_c{conc}_round{rounds}", url, items, opts))
+        per_prompt = (time.time() - t0) / len(items)
+        for k0, arm in arms.items():
+            lengths[k0] += [o["spec"]["accept_length"] for o in arm["outputs"]]
+            if budget is not None and arm.get("elapsed_s"):
+                budget.speed.add(conc, len(items) * output_len / arm["elapsed_s"], "the accept-length probe")
+        used, rounds = used + len(items), rounds + 1
+        checks = {k0: accept_check(lengths[0], lengths[k0]) for k0 in k0s}
+        if all(decided(c) for c in checks.values()):
+            stop = f"its interval cleared the bound after {used} prompts"
+            break
+        if used >= len(prompts):
+            stop = f"the prompt file ran out at {used} prompts, the interval not clear of the bound"
+            break
+        left = time_left()
+        affordable = len(prompts) if math.isinf(left) or per_prompt <= 0 else int(max(left, 0.0) // per_prompt)
+        size = next_round(checks, used, conc, len(prompts) - used, affordable)
+        if size <= 0:
+            stop = f"the budget ended at {used} prompts, the interval not clear of the bound"
+            break
+    for check in checks.values():
+        check.update(prompts=used, rounds=rounds, floor=first,
+                     sized=f"cleared the bound after {used} prompts" if decided(check) else stop)
+    return checks
+
+
 def accept_probe(url: str, k0s: Sequence[int], concurrencies: Sequence[int], prompts: Sequence[str], output_len: int,
-                 admin_api_key: Optional[str], timeout: float) -> Dict[int, Dict[int, Dict]]:
-    """{C: {k0: accept_check}} at each open concurrency: 2 C prompts (at least 32, at most the file's)."""
+                 admin_api_key: Optional[str], timeout: float, floor: int = ACCEPT_FLOOR,
+                 time_left: Callable[[], float] = lambda: math.inf,
+                 budget: Optional[Budget] = None) -> Dict[int, Dict[int, Dict]]:
+    """{C: {k0: accept_check}} at each open concurrency (accept_at), each concurrency sharing what
+    time_left() gives with those after it; every concurrency's probe draws the same prompts."""
     out = {}
-    for conc in concurrencies:
-        items = [Item(p) for p in prompts[:max(2 * conc, 32)]]
-        opts = argparse.Namespace(concurrency=conc, max_tokens=output_len, ignore_eos=True, model=None,
-                                  timeout=timeout, spec_details=True)
-        log(f"accept length: {len(items)} prompts at C={conc}, OEA off and k0 {' '.join(map(str, k0s))}")
-        arms, _ = each_arm(url, k0s, admin_api_key, lambda name, k0: run_arm(f"{name}_c{conc}", url, items, opts))
-        lengths = {k0: [o["spec"]["accept_length"] for o in arm["outputs"]] for k0, arm in arms.items()}
-        out[conc] = {k0: accept_check(lengths[0], lengths[k0]) for k0 in k0s}
+    for i, conc in enumerate(concurrencies):
+        share = share_of(time_left, len(concurrencies) - i)
+        out[conc] = accept_at(url, k0s, conc, prompts, output_len, admin_api_key, timeout, floor, share, budget)
     return out
+
+
+def quality_concurrencies(pre, override: Optional[Sequence[int]]) -> List[Dict]:
+    """[{"concurrency", "why", "rows"}] of the quality step: --quality-concurrency, else the smallest
+    concurrency at which the server's gate opens and the largest swept one with an open gate (once
+    when they are equal); rows: the token rows one replica routes per pass there."""
+    if override:
+        chosen = [(c, "--quality-concurrency") for c in dict.fromkeys(override)]
+    else:
+        smallest, largest = pre.smallest_open_concurrency(), max(pre.open_concurrencies)
+        floor, replicas = pre.original.get("oea_min_batch", 1), pre.limits.replicas
+        where = (f"min_batch {floor} request{'s' if floor != 1 else ''}"
+                 + (f" on each of {replicas} replicas" if replicas > 1 else "")
+                 + (f", {pre.rows_per_request} rows each" if pre.rows_per_request > 1 else ""))
+        chosen = [(smallest, f"the smallest concurrency at which the gate opens ({where}): where OEA gives up the "
+                             "most routing")]
+        if largest != smallest:
+            chosen.append((largest, "the largest swept concurrency with an open gate"))
+    return [{"concurrency": c, "why": why, "rows": pre.gate(c).rows} for c, why in chosen]
+
+
+def run_quality(args, url: str, k0s: Sequence[int], quality_at: Sequence[Dict], budget: Budget,
+                lm_eval: Optional["LmEvalClient"]) -> Optional[List[Dict]]:
+    """The quality step at each of its concurrencies (quality_concurrencies), a later one only when it
+    fits the budget; [one result per concurrency run, with its "why" and "rows"], or None with
+    --quality none."""
+    if args.quality == "none":
+        return None
+    runs = []
+    for i, where in enumerate(quality_at):
+        conc = where["concurrency"]
+        if not budget.quality_fits(conc, first=i == 0):
+            continue
+        if args.quality == "lm-eval":
+            result = run_lm_eval(args, url, k0s, conc, lm_eval, budget)
+        else:
+            out = os.path.join(args.out_dir, "quality")
+            os.makedirs(out, exist_ok=True)
+            result = run_quality_ab(args, url, k0s, conc, out, budget)
+        runs.append({**result, "why": where["why"], "rows": where["rows"]})
+    return runs
 
 
 # ----------------------------------------------------------------------------- a local task

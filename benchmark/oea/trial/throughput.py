@@ -3,12 +3,13 @@
 switch, one bench client), repeated until every cell is resolved or the budget is spent.
 
 Arms: OEA off (k0 0, the baseline) and each --k0, set live. Only the concurrencies where OEA's gate
-can open are run (trial_preflight). Per concurrency, blocks of one run per arm follow each other,
+can open are run (preflight.py). Per concurrency, blocks of one run per arm follow each other,
 the arm order reversed every other block (one_server.block_order), until each OEA arm's paired
 throughput ratio is resolved (common/report.resolved: at least 3 repeats, min and max within +-5%
-of the median), --max-repeats blocks ran, or the concurrency's share of --budget-minutes is spent
-(what is left, divided by the concurrencies left; a block starts only when one like the last still
-fits). At least one block runs at every open concurrency.
+of the median), --max-repeats blocks ran, or the concurrency's share of the budget is spent (the
+time throughput may still use, budget.Budget.throughput_left, divided by the concurrencies left; a
+block starts only when one like the last still fits). At least one block runs at every open
+concurrency. Every run's throughput feeds the budget's speed (the start-up warm-up's first).
 
 Per (concurrency, arm), from results.jsonl: output tok/s and median TPOT (medians over repeats),
 T before -> after OEA per routed step (the gauges after each run that applied OEA at its own k0;
@@ -21,17 +22,18 @@ attribution; oea_metrics.kept_mass_in_runs), and under speculative decoding SGLa
 import os
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from common import report
 from serving import ab_serving
 from serving.bench_client import BenchClient
 from serving.live_settings import arm_settings
-from serving.oea_metrics import accept_length_in_run, kept_mass_in_runs, run_experts
+from common.oea_metrics import accept_length_in_run, kept_mass_in_runs, run_experts
 from serving.one_server import LiveSweep, block_order
 from serving.prompt_files import check_prompt_file, num_prompts_for, switch_warmup_prompts
 from serving.servers import log
 from serving.sweep import Arm
+from trial.budget import Budget, share_of
 
 MIN_REPEATS = report.RESOLVED_MIN_REPEATS
 MAX_FAILED_IN_A_ROW = 3  # bench runs failing one after the other: the server is not serving; stop
@@ -71,7 +73,7 @@ def trial_arms(k0s: Sequence[int]) -> List[Arm]:
             + [Arm(report.arm_name(k0), k0, live=arm_settings(k0)) for k0 in k0s])
 
 
-def run_throughput(url: str, sargs, concurrencies: Sequence[int], deadline: float, max_repeats: int) -> List[dict]:
+def run_throughput(url: str, sargs, concurrencies: Sequence[int], budget: Budget, max_repeats: int) -> List[dict]:
     """Every block at every open concurrency, in order; returns the records of results.jsonl.
     LiveSettingsError when the server does not take or confirm a setting; RuntimeError when bench
     runs keep failing."""
@@ -82,35 +84,61 @@ def run_throughput(url: str, sargs, concurrencies: Sequence[int], deadline: floa
     try:
         sweep = LiveSweep(arms, url, sargs, client, None, jsonl)
         sweep.start()
-        block = 0
+        warm = os.path.join(sweep.runs_dir, f"{arms[0].name}_warmup.jsonl")
+        for r in report.load_jsonl(warm) if os.path.exists(warm) else []:
+            budget.speed.add(int(r.get("max_concurrency") or 0), r.get("output_throughput"), "the start-up warm-up")
+        block, feed = 0, speed_feeder(budget, jsonl)
         for i, conc in enumerate(concurrencies):
-            share = max(0.0, deadline - time.time()) / (len(concurrencies) - i)
-            block = run_concurrency(sweep, arms, conc, block, time.time() + share, max_repeats, jsonl)
+            budget.announce()
+            share = share_of(budget.throughput_left, len(concurrencies) - i, budget.clock)
+            block, reps, stopped = run_concurrency(sweep, arms, conc, block, share, max_repeats, jsonl, feed,
+                                                   budget.clock)
+            if stopped == "budget":
+                budget.cut(f"throughput at C={conc}: {reps} of up to {max_repeats} blocks, not resolved")
     finally:
         client.close()
     return report.load_jsonl(jsonl) if os.path.exists(jsonl) else []
 
 
-def run_concurrency(sweep: LiveSweep, arms: Sequence[Arm], conc: int, block: int, until: float, max_repeats: int,
-                    jsonl: str) -> int:
-    """Blocks at one concurrency until resolved, max_repeats, or `until` (see the module doc);
-    returns the next block number."""
+def speed_feeder(budget: Budget, jsonl: str) -> Callable[[], None]:
+    """A function that feeds each new run's throughput into the budget's speed, then prints the plan
+    once the speed is known."""
+    seen = [0]
+
+    def feed() -> None:
+        records = report.load_jsonl(jsonl) if os.path.exists(jsonl) else []
+        for r in records[seen[0]:]:
+            if not r.get("error"):
+                budget.speed.add(int(r["concurrency"]), r.get("output_throughput"), "the first throughput run")
+        seen[0] = len(records)
+        budget.announce()
+    return feed
+
+
+def run_concurrency(sweep: LiveSweep, arms: Sequence[Arm], conc: int, block: int, time_left: Callable[[], float],
+                    max_repeats: int, jsonl: str, after_block: Callable[[], None] = lambda: None,
+                    clock: Callable[[], float] = time.time) -> Tuple[int, int, str]:
+    """Blocks at one concurrency until resolved, max_repeats, or the next block, taken to last as
+    long as the last, would not fit time_left() (see the module doc); after_block() runs after each.
+    Returns (the next block number, the blocks run, why it stopped: "resolved", "max_repeats" or
+    "budget")."""
     rep, failed = 0, 0
     while rep < max_repeats:
-        t0 = time.time()
+        t0 = clock()
         for arm in block_order(arms, block):
             ok = sweep.measure(arm, conc, rep, block, f"[C={conc} block {rep + 1}]")
             failed = 0 if ok else failed + 1
             if failed >= MAX_FAILED_IN_A_ROW:
                 raise RuntimeError(f"{failed} bench runs in a row failed at C={conc}; see {sweep.runs_dir}")
         block, rep = block + 1, rep + 1
+        after_block()
         if rep >= MIN_REPEATS and resolved_at(jsonl, conc):
             log(f"C={conc}: every ratio resolved after {rep} repeats")
-            break
-        if time.time() + (time.time() - t0) > until:
+            return block, rep, "resolved"
+        if rep < max_repeats and clock() - t0 > time_left():
             log(f"C={conc}: this concurrency's share of --budget-minutes is spent after {rep} repeat(s)")
-            break
-    return block
+            return block, rep, "budget"
+    return block, rep, "max_repeats"
 
 
 def resolved_at(jsonl: str, conc: int) -> bool:

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from common import heldout, report
+from common import report
+from training import heldout
 from serving import ab_serving, demo, demo_cost
 from serving.prompt_files import check_prompt_file, num_prompts_for
 

@@ -1,4 +1,4 @@
-"""Kept router mass in the serving reports (benchmark/oea/serving/oea_metrics.py, trial_report.py,
+"""Kept router mass in the serving reports (benchmark/oea/common/oea_metrics.py, trial/verdict.py,
 common/report.py), on synthetic /metrics samples: a window counts only the samples labelled with its
 k0 on the lowest tp_rank, decode and verify pooled; absent counters give None; runs pool by
 token-layers; the trial's table and ab_serving's table show the column. No server.
@@ -7,8 +7,9 @@ token-layers; the trial's table and ab_serving's table show the column. No serve
 import pytest
 
 from common import report
-from serving import oea_metrics, trial_report as tr
-from serving.trial_throughput import arm_rows
+from common import oea_metrics
+from trial import verdict as tr
+from trial.throughput import arm_rows
 
 
 def lost(k0, value, mode="decode", rank=0):

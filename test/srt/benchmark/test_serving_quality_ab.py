@@ -24,7 +24,8 @@ from random import Random
 import pytest
 
 from common import stats
-from serving import oea_metrics, quality_ab as qa, quality_client, quality_inputs as qi, quality_scoring as qs
+from common import oea_metrics
+from serving import quality_ab as qa, quality_client, quality_inputs as qi, quality_scoring as qs
 from serving.quality_report import write_json
 from studies import quality_learned as ql
 from test_server_e2e import TOP_K, make_model, serve, set_live

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.server
 
 from common import report  # noqa: E402  (benchmark/oea, on sys.path through conftest.py)
 from serving import ab_serving, demo  # noqa: E402
-from serving.oea_metrics import applied_in_run  # noqa: E402
+from common.oea_metrics import applied_in_run  # noqa: E402
 from serving.servers import free_port  # noqa: E402
 
 CONCURRENCIES = (1, 2)

@@ -1,4 +1,4 @@
-"""The held-out windows every trained-model study draws from (common/heldout.py), and the statistics
+"""The held-out windows every trained-model study draws from (training/heldout.py), and the statistics
 of studies/router_stats.py on recordings built here (known routing in, known T and popularity out)."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from common import heldout
+from training import heldout
 from studies import router_stats, simulate
 from training import train_moe
 

@@ -1,4 +1,4 @@
-"""benchmark/oea/serving/trial.py: the operator's one-command trial of OEA on a running server.
+"""benchmark/oea/trial/trial.py: the operator's one-command trial of OEA on a running server.
 
 Without a server: the step counters attributed by their k0 label (a previous arm's late counts
 arriving in the next arm's window), accept length from SGLang's counters, the batch gate per
@@ -7,10 +7,15 @@ recommendation (the speculative branch on made-up accept lengths), the lm-eval s
 the held-out task, and SIGTERM unwinding a script's clean-up.
 
 With ONE CPU server (the shipped trained Qwen3-MoE, started with --oea-k0 0 --enable-metrics, gate
-2..8 requests, counters exported every 4 decode steps): a refused preflight sends nothing; the
+2..8 requests, counters exported every 4 decode steps, protected by --api-key and --admin-api-key,
+k0 STARTING_K0 set live before any trial, so that each trial must put back the k0 it found; the
+keys go to the trial through its environment): SGLang answers as serving_fakes' stand-in assumes
+(401 bodies, the keys each endpoint needs); a refused preflight sends nothing; the
 whole trial runs (C=1 gate closed, C=4 interleaved A/B, quality through lm-eval on a local task
-made from held-out text, the verdict, the settings put back, no process left); SIGTERM in the
-middle puts the setting back and leaves no process behind.
+made from held-out text at C=2, where the gate opens, its C=4 run cut by the budget, the verdict,
+the settings put back, no process left, the real bench_serving run with the API key and the cache
+flushed with the admin key, no key in any file left); SIGTERM in the middle puts the setting back
+and leaves no process behind.
 """
 
 import json
@@ -20,14 +25,19 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 import uuid
 
 import pytest
 
 from common import report
-from serving import oea_metrics, servers, trial, trial_preflight as tp, trial_quality as tq, trial_report as tr
+from common import oea_metrics
+from common.http import Auth, http_json, use_auth
+from serving import live_settings, servers
+from trial import preflight as tp, quality as tq, trial, verdict as tr
 from test_server_e2e import serve
+import serving_fakes  # noqa: I001  (this folder's stand-ins)
 
 TRIAL = os.path.join(os.path.dirname(os.path.abspath(trial.__file__)), "trial.py")
 TRAINED = os.path.join(os.path.dirname(os.path.dirname(TRIAL)), "models", "qwen3_moe_stdlib")  # has heldout.txt
@@ -186,8 +196,9 @@ def test_cell_verdicts():
     assert tr.cell_verdict(True, report.Spread(1.10, 1.09, 1.11, 2)).startswith("not resolved")  # 2 repeats
 
 
-def quality(**per_k0):
-    return {"per_k0": {int(k[2:]): {"within": v} for k, v in per_k0.items()}}
+def quality(conc=16, **per_k0):
+    """The quality step's result: one run, at concurrency conc."""
+    return [{"concurrency": conc, "per_k0": {int(k[2:]): {"within": v} for k, v in per_k0.items()}}]
 
 
 def test_recommendation_rules():
@@ -201,9 +212,10 @@ def test_recommendation_rules():
     rec = tr.recommend([4], cells, None, False)  # no quality measured: said in the reason
     assert rec["k0"] == 4 and "--quality none" in rec["reason"]
     unresolved = [cell(4, 16, 0.9, 1.1, 1.3)]
-    assert tr.recommend([4], unresolved, None, False) == {
-        "k0": 0, "reason": "no k0 qualifies (k0=4: not resolved faster at any concurrency)",
-        "problems": {4: ["not resolved faster at any concurrency"]}}
+    rec = tr.recommend([4], unresolved, None, False)
+    assert (rec["k0"], rec["reason"], rec["problems"], rec["flags"]) == (
+        0, "no k0 qualifies (k0=4: not resolved faster at any concurrency)",
+        {4: ["not resolved faster at any concurrency"]}, None)
 
 
 def test_accept_length_non_inferiority_decides_under_speculative_decoding():
@@ -281,22 +293,67 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path):
 
 # ----------------------------------------------------------------------------- one CPU server
 
+API_KEY, ADMIN_KEY = "trial-api-Kq3-secret", "trial-admin-Vw8-secret"
+STARTING_K0 = 2  # set live before the trials: each must put this back, not the 0 of the flags
 FLAGS = ("--oea-k0", "0", "--enable-metrics", "--oea-min-batch", "2", "--oea-max-batch", "8",
-         "--decode-log-interval", "4", "--mem-fraction-static", "0.3", "--max-total-tokens", "8192")
+         "--decode-log-interval", "4", "--mem-fraction-static", "0.3", "--max-total-tokens", "8192",
+         "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
 SMALL = ["--input-len", "32", "--output-len", "16", "--prompts-per-concurrency", "2", "--min-prompts", "8",
          "--warmup-prompts", "0"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The trained Qwen3-MoE, armed and off, OEA's gate 2..8 requests; yields its URL."""
+    """The trained Qwen3-MoE, armed, both keys, OEA's gate 2..8 requests, k0 STARTING_K0 in force;
+    yields its URL. This process's requests to it carry the keys (common/http.use_auth)."""
     with serve(tmp_path_factory, TRAINED, *FLAGS) as (url, _):
+        use_auth(url, Auth(API_KEY, ADMIN_KEY))
+        assert live_settings.put_back(url, {"oea_k0": STARTING_K0}, delays=())["ok"]
         yield url
 
 
+@pytest.fixture
+def keys(monkeypatch):
+    """The trial's keys, in its environment as the docs advise."""
+    monkeypatch.setenv("OEA_API_KEY", API_KEY)
+    monkeypatch.setenv("OEA_ADMIN_API_KEY", ADMIN_KEY)
+
+
 def oea_state(url):
-    with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
-        return json.load(r)["internal_states"][0]["oea"]
+    return http_json(url + "/server_info", timeout=30)["internal_states"][0]["oea"]
+
+
+def files_holding(root, *secrets):
+    return sorted(str(p) for p in root.rglob("*") if p.is_file() and any(s.encode() in p.read_bytes() for s in secrets))
+
+
+@pytest.mark.server
+def test_sglang_answers_as_the_stand_in_assumes(server):
+    """serving_fakes' server imitates these answers of SGLang 0.5.23 with both keys; nothing is set."""
+    def status_and_body(path, key, payload=None):
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(server + path, data, {"Content-Type": "application/json",
+                                                               "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    code, body = status_and_body("/server_info", "wrong")
+    assert (code, json.loads(body)) == (401, serving_fakes.UNAUTHORIZED)
+    assert status_and_body("/server_info", ADMIN_KEY)[0] == 401  # the admin key does not do for the API key
+    assert status_and_body("/flush_cache", API_KEY, {})[0] == 401  # nor the API key for the admin key
+    assert status_and_body("/set_internal_state", API_KEY, {"server_args": {}})[0] == 401
+    assert status_and_body("/metrics", "wrong")[0] == 200  # open, for Prometheus
+    code, body = status_and_body("/set_internal_state", ADMIN_KEY, {"server_args": {}})  # the preflight's probe
+    info = json.loads(status_and_body("/server_info", API_KEY)[1])
+    assert code == 200 and json.loads(body) == [True] * len(info["internal_states"])  # one boolean per DP rank
+    assert (info["api_key"], info["admin_api_key"]) == (API_KEY, ADMIN_KEY)  # in plain text: redacted before saving
+    assert info["internal_states"][0]["admin_api_key"] == ADMIN_KEY and ADMIN_KEY in str(info["launch_command"])
+    assert oea_state(server)["k0"] == STARTING_K0 and "pending" not in oea_state(server)  # the probe changed nothing
+    saved = json.dumps(live_settings.read_server_info(server))
+    assert API_KEY not in saved and ADMIN_KEY not in saved
 
 
 def requests_served(url):
@@ -319,7 +376,7 @@ def marked_processes(mark):
 
 
 @pytest.mark.server
-def test_a_refused_preflight_sends_nothing(server, tmp_path, capsys):
+def test_a_refused_preflight_sends_nothing(server, keys, tmp_path, capsys):
     served = requests_served(server)
     for extra, message in ((["--k0", "8", "--concurrency", "4"], "the model's top-k is 8"),
                            (["--k0", "4", "--concurrency", "1"], "cannot open at any --concurrency (C=1: 1 request "
@@ -327,11 +384,11 @@ def test_a_refused_preflight_sends_nothing(server, tmp_path, capsys):
         assert trial.main(["--url", server, "--out-dir", str(tmp_path / "refused"), *extra]) == 2
         assert message in capsys.readouterr().err
     assert requests_served(server) == served  # no load, nothing set
-    assert oea_state(server)["k0"] == 0 and "pending" not in oea_state(server)
+    assert oea_state(server)["k0"] == STARTING_K0 and "pending" not in oea_state(server)
 
 
 @pytest.mark.server
-def test_the_whole_trial(server, tmp_path, monkeypatch):
+def test_the_whole_trial(server, keys, tmp_path, monkeypatch, capsys):
     mark = f"OEA_TRIAL_TEST_{uuid.uuid4().hex}"
     monkeypatch.setenv(mark, "1")
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # lm-eval reads only the local task
@@ -343,9 +400,17 @@ def test_the_whole_trial(server, tmp_path, monkeypatch):
             str(tmp_path / "task"), "--label", "CPU test, tiny trained model", "--out-dir", str(out)]
     assert trial.main(argv) == 0
     result = json.loads((out / "results.json").read_text())
-    assert result["status"] == "done" and result["restored"] == {"oea_k0": 0}
-    assert oea_state(server)["k0"] == 0 and "pending" not in oea_state(server)
-    assert not marked_processes(mark)  # the bench driver and the lm-eval driver are gone
+    assert result["status"] == "done" and result["restored"] == {"oea_k0": STARTING_K0}
+    assert result["restore"]["by"] == "the trial" and result["restore"]["attempts"] == 1
+    assert oea_state(server)["k0"] == STARTING_K0 and "pending" not in oea_state(server)
+    assert not marked_processes(mark)  # the bench driver, the lm-eval driver and the guard are gone
+    # the real bench_serving, in its driver, the cache flushed by the trial with the admin key before each run
+    run_log = (out / "runs" / "oea-k0=4_c4_r0.log").read_text()
+    assert " -m sglang.benchmark.serving " in run_log.splitlines()[0] and "--warmup-requests 0" in run_log
+    printed = capsys.readouterr().out
+    assert "flush_cache failed" not in printed and API_KEY not in printed and ADMIN_KEY not in printed
+    assert files_holding(tmp_path, API_KEY, ADMIN_KEY) == []  # results, logs, snapshots, lm-eval's files
+    assert json.loads((out / "server_info_baseline.json").read_text())["admin_api_key"] == "<redacted>"
 
     closed, opened = result["cells"]
     assert (closed["concurrency"], closed["gate_open"], closed["verdict"], closed["ratio"]) == (1, False,
@@ -360,30 +425,41 @@ def test_the_whole_trial(server, tmp_path, monkeypatch):
     assert 0 < oea["applied_share"] <= 1 and oea["t_after"] < oea["t_before"]
     assert off["accept_length"] is None and oea["output_throughput"] > 0 and oea["median_tpot_ms"] > 0
 
-    q = result["quality"]["per_k0"]["4"]
-    assert result["quality"]["tool"] == "lm-eval" and result["quality"]["metric"] == "exact_match"
+    # quality where the gate opens first, min_batch 2 requests; C=4, the largest open one, does not fit the
+    # 6-second budget once the first has run: cut, and said
+    (run,) = result["quality"]
+    q = run["per_k0"]["4"]
+    assert run["tool"] == "lm-eval" and run["metric"] == "exact_match" and run["concurrency"] == 2
+    assert run["why"].startswith("the smallest concurrency at which the gate opens (min_batch 2 requests)")
     assert q["n"] == 16 and q["low"] <= q["delta"] <= q["high"] and q["oea_applied"]["applied_steps"] > 0
     assert q["within"] == (q["low"] >= -q["margin"])
-    assert opened["quality_delta"] == q["delta"] and closed["quality_within"] == q["within"]
-    assert result["recommendation"]["k0"] == 0  # nothing resolved faster in one repeat
-    assert "not resolved faster" in result["recommendation"]["reason"]
+    assert opened["quality_delta"] is None  # quality did not run at C=4
+    assert [c.split(" (")[0] for c in result["budget"]["cuts"]] == ["quality at C=4"]
+    assert set(result["budget"]["phases"]) == {"throughput", "quality"}
+    rec = result["recommendation"]
+    assert rec["k0"] == 0 and "not resolved faster" in rec["reason"]  # nothing resolved faster in one repeat
+    assert rec["flags"] is None and "restart the server without --oea-k0" in rec["off"]
 
     markdown = (out / "results.md").read_text()
     for text in ("CPU test, tiny trained model", "| 1 | closed | 1 request < min_batch 2 |", "gate closed",
-                 "**Recommendation: keep OEA off.**", "Settings put back: {\"oea_k0\": 0}", "default: held-out text"):
+                 "**Recommendation: keep OEA off.**", f"Settings put back: {{\"oea_k0\": {STARTING_K0}}}",
+                 "default: held-out text",
+                 "## Budget", "Cut: quality at C=4", "What arming costs meanwhile: not measured on a GPU yet"):
         assert text in markdown
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert list((out / "quality" / "lm_eval_k0_4").rglob("samples_*.jsonl"))
+    assert list((out / "quality" / "lm_eval_k0_4_c2").rglob("samples_*.jsonl"))
 
 
 @pytest.mark.server
 def test_sigterm_in_the_middle_puts_the_setting_back(server, tmp_path):
+    """The keys in the environment (OEA_API_KEY, OEA_ADMIN_API_KEY), none on the command line."""
     mark = f"OEA_TRIAL_TEST_{uuid.uuid4().hex}"
     out = tmp_path / "trial"
     argv = [sys.executable, TRIAL, "--url", server, "--k0", "4", "--concurrency", "4", *SMALL,
             "--output-len", "64", "--budget-minutes", "30", "--out-dir", str(out)]
     with open(tmp_path / "trial.log", "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, mark: "1"})
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, mark: "1", "OEA_API_KEY": API_KEY, "OEA_ADMIN_API_KEY": ADMIN_KEY})
     try:
         deadline = time.time() + 600
         while proc.poll() is None and time.time() < deadline:  # until the k0=4 arm is set
@@ -397,8 +473,10 @@ def test_sigterm_in_the_middle_puts_the_setting_back(server, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert oea_state(server)["k0"] == 0 and not (oea_state(server).get("pending") or {}).get("k0")
-    assert not marked_processes(mark)  # the bench driver went with it
+    state = oea_state(server)
+    assert state["k0"] == STARTING_K0 and "pending" not in state
+    assert not marked_processes(mark)  # the bench driver and the guard went with it
     result = json.loads((out / "results.json").read_text())
-    assert result["status"] == "interrupted" and result["restored"] == {"oea_k0": 0}
+    assert result["status"] == "interrupted" and result["restored"] == {"oea_k0": STARTING_K0}
+    assert result["restore"]["by"] == "the trial" and files_holding(tmp_path, API_KEY, ADMIN_KEY) == []
     assert result["recommendation"]["k0"] == 0
