@@ -1,4 +1,4 @@
-"""A/B serving benchmark: SGLang with Opportunistic Expert Activation (--oea-k0) against without.
+r"""A/B serving benchmark: SGLang with Opportunistic Expert Activation (--oea-k0) against without.
 
 Modes
   1. One server (default): starts one server with your arguments plus `--oea-k0 0 --enable-metrics`

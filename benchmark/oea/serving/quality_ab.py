@@ -1,4 +1,4 @@
-"""Output quality A/B: the same prompts through a baseline server and an OEA server, as served.
+r"""Output quality A/B: the same prompts through a baseline server and an OEA server, as served.
 
 OEA changes outputs only in decode batches of at least --oea-min-batch requests, so both arms send
 the same prompts, in the same order, at the same fixed concurrency (a pool of N requests in

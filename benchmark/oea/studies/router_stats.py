@@ -1,4 +1,4 @@
-"""Router statistics of a served model, from `--oea-dump-router-logits` recordings.
+r"""Router statistics of a served model, from `--oea-dump-router-logits` recordings.
 
     python benchmark/oea/studies/router_stats.py --model-path benchmark/oea/models/qwen3_moe_stdlib \
         --model-path benchmark/oea/models/glm4_moe_stdlib --out-dir out/router_stats

@@ -1,4 +1,4 @@
-"""How much of the live signal's ranking do the settings alone explain? A re-analysis of a finished
+r"""How much of the live signal's ranking do the settings alone explain? A re-analysis of a finished
 signal study (signal_study.py's results.json): no model runs, a few seconds on a CPU.
 
 For every cell (model, k0, B) the study kept per-block means of each signal and of the NLL increase.

@@ -1,4 +1,4 @@
-"""Train a small MoE language model of one of the router families we serve, on real text, seeded.
+r"""Train a small MoE language model of one of the router families we serve, on real text, seeded.
 
     python benchmark/oea/training/train_moe.py --arch qwen3_moe --out benchmark/oea/models/qwen3_moe_stdlib
     python benchmark/oea/training/train_moe.py --arch glm4_moe --out benchmark/oea/models/glm4_moe_stdlib

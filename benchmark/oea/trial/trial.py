@@ -1,4 +1,4 @@
-"""The operator's trial of OEA on a server they already run: one command, one report.
+r"""The operator's trial of OEA on a server they already run: one command, one report.
 
 Start the server with your own flags (EAGLE / MTP included) plus `--oea-k0 0 --enable-metrics`
 (the plugin armed, OEA off), then:

@@ -194,7 +194,8 @@ def off_advice(k0_found: int) -> str:
     """How to take OEA off the routing path after a "keep OEA off", and what arming costs meanwhile."""
     now = ("The server is left armed and off (k0 0)" if not k0_found else
            f"The trial put back the k0 {k0_found} it found: set k0 0 live now (POST /set_internal_state "
-           '{"server_args": {"oea_k0": 0}}, docs/live-settings.md), which leaves it armed and off')
+           '{"server_args": {"oea_k0": 0}} with the header "Authorization: Bearer $OEA_ADMIN_API_KEY" when '
+           'the server has an admin key, docs/live-settings.md), which leaves it armed and off')
     return (f"{now}. To take OEA off the routing path, restart the server without --oea-k0 (and without "
             f"SGLANG_OEA_K0 in its environment). What arming costs meanwhile: {ARMING_COST}")
 
