@@ -66,6 +66,7 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)  # its folders import as packages
 
 from common import report  # noqa: E402
+from common.http import redact_argv  # noqa: E402
 from serving.bench_client import BENCH_MODULE  # noqa: E402
 from serving.live_settings import LiveSettingsError, arm_settings  # noqa: E402
 from serving.one_server import run_one_server  # noqa: E402
@@ -179,7 +180,7 @@ def write_command(args) -> None:
     """command.txt: this script's command line, and the thread settings when set (they change CPU
     and host-side timings)."""
     with open(os.path.join(args.out_dir, "command.txt"), "w") as f:
-        f.write(shlex.join([sys.executable, __file__, *args.argv]) + "\n")
+        f.write(shlex.join([sys.executable, __file__, *redact_argv(args.argv)]) + "\n")  # no key on disk
         env = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
         if env:
             f.write("# environment: " + shlex.join(f"{k}={v}" for k, v in env.items()) + "\n")

@@ -16,7 +16,7 @@ from common import report
 from serving.bench_client import BenchClient
 from common.oea_metrics import counter_deltas, scrape_oea_metrics, steps_share
 from serving.prompt_files import num_prompts_for
-from common.http import http_get
+from common.http import http_get, redact
 from serving.servers import Server, child_env, launcher_command, log, log_tail, port_in_use, wait_ready
 
 # bench_serving result keys kept in results.jsonl (the rest, e.g. server_info, is left out).
@@ -110,11 +110,16 @@ def measure_arm(arm: Arm, base_url: str, args, jsonl_path: str, server: Optional
 
 
 def save_server_info(arm: Arm, base_url: str, out_dir: str) -> None:
-    """The server's /server_info as server_info_<arm>.json (nothing when it does not answer)."""
+    """The server's /server_info as server_info_<arm>.json, keys redacted (SGLang 0.5.23 returns
+    api_key, admin_api_key and the launch command in plain text); nothing when it does not answer."""
     info = http_get(base_url + "/server_info")
     if info is not None:
+        try:
+            text = json.dumps(redact(json.loads(info)), indent=1)
+        except json.JSONDecodeError:
+            text = redact(info)
         with open(os.path.join(out_dir, f"server_info_{arm.name}.json"), "w") as f:
-            f.write(info)
+            f.write(text)
 
 
 def warm_up(arm: Arm, base_url: str, args, client: BenchClient, runs_dir: str) -> None:

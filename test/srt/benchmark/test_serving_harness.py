@@ -268,3 +268,23 @@ def test_wait_ready_gives_up_at_once_when_the_port_was_taken(tmp_path):
     with pytest.raises(servers.PortTakenError, match="could not bind its port"):
         servers.wait_ready(f"http://127.0.0.1:{servers.free_port()}", 300, None, str(log))
     assert time.time() - start < 30
+
+
+def test_no_key_reaches_the_ab_files(tmp_path, monkeypatch):
+    """ab_serving's command.txt and sweep's server_info_<arm>.json hold no key: SGLang 0.5.23's
+    /server_info returns api_key, admin_api_key and the launch line in plain text."""
+    import json
+    import types
+
+    from serving import ab_serving, sweep
+
+    args = types.SimpleNamespace(out_dir=str(tmp_path), argv=["--url", "http://h", "--admin-api-key", "s3cret-admin"])
+    ab_serving.write_command(args)
+    info = {"api_key": "s3cret-api", "admin_api_key": "s3cret-admin", "internal_states": [{"oea": {"k0": 0}}],
+            "launch_command": "sglang serve --model-path m --admin-api-key s3cret-admin --api-key=s3cret-api"}
+    monkeypatch.setattr(sweep, "http_get", lambda url: json.dumps(info))
+    sweep.save_server_info(sweep.Arm("baseline", None), "http://h", str(tmp_path))
+    written = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert set(written) == {"command.txt", "server_info_baseline.json"}
+    assert not [name for name, text in written.items() if "s3cret" in text], written
+    assert json.loads(written["server_info_baseline.json"])["internal_states"] == [{"oea": {"k0": 0}}]
