@@ -113,16 +113,23 @@ def test_batch_gate_per_concurrency():
     assert capped.open and capped.requests == 24 and "at most 24 requests" in capped.why
 
 
-def fake_info(tmp_path, k0=0, spec=None, draft=None, metrics=True, verify=True, kernel="default", max_batch=128):
-    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 8}))
+def fake_info(tmp_path, k0=0, spec=None, draft=None, metrics=True, verify=True, kernel="default", max_batch=128,
+              model=True):
+    """/server_info as SGLang 0.5.23 answers with the plugin armed (one OEA state per scheduler, with
+    the model's routing shape; the model path is the server's, not readable here); model=False: a
+    state without it, where the preflight falls back to the checkpoint's config.json."""
+    if not model:
+        (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 8}))
     oea = {"k0": k0, "min_batch": 4, "max_batch": max_batch, "envelope": {"min_batch": 4, "max_batch": max_batch},
            "verify": verify}
+    if model:
+        oea["model"] = {"num_experts": 256, "top_k": 8}
     if kernel == "default":
         oea["kernel"] = {"flag": "auto", "paths": [{"router": "triton", "self_check": "passed", "shapes": 2}],
                          "tp_size": 8}
     elif kernel is not None:
         oea["kernel"] = kernel
-    return {"internal_states": [{"oea": oea}, {"oea": dict(oea)}], "enable_metrics": metrics, "tp_size": 8,
+    return {"internal_states": [{"oea": oea}, {"oea": dict(oea)}], "enable_metrics": metrics, "tp_size": 8, "dp_size": 1,
             "speculative_algorithm": spec, "speculative_num_draft_tokens": draft, "model_path": str(tmp_path),
             "decode_log_interval": 40}
 
@@ -130,6 +137,7 @@ def fake_info(tmp_path, k0=0, spec=None, draft=None, metrics=True, verify=True, 
 @pytest.mark.parametrize("kwargs, k0s, concurrencies, message", [
     ({"metrics": False}, [4], [16], "without --enable-metrics"),
     ({}, [8], [16], "top-k is 8"),
+    ({"model": False}, [8], [16], "top-k is 8"),
     ({}, [0], [16], "0 is the baseline arm"),
     ({"spec": "EAGLE", "draft": 4, "verify": False}, [4], [16], "--oea-verify off"),
     ({"kernel": {"flag": "auto", "paths": [{"router": "off", "self_check": "failed", "shapes": 2}]}}, [4], [16],
