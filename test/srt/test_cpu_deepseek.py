@@ -16,6 +16,9 @@ change between assertions through /set_internal_state:
   transformers' with OEA at k0 >= top-k and off; k0=1 changes it; the OpenAI endpoints answer;
   under concurrent requests OEA applies in the target's verify passes only, never in the draft's
   passes nor in draft extend, and SGLang's accept length stays between 1 and the draft tokens.
+  Then the operator's trial (benchmark/oea/trial/trial.py) against the same server, as small as it
+  can be while going through every step: the preflight, one throughput block, the paired
+  accept-length probe, quality_ab, and the restore of the k0 it found.
 - TP=2, shared expert fused into the routed top-k (--enforce-shared-experts-fusion), no
   speculative decoding: transformers' greedy output at k0 >= top-k and off, k0=1 changes it, then
   OEA applied under load with both ranks' routing compared every step.
@@ -29,7 +32,9 @@ import base64
 import json
 import os
 import re
+import time
 import types
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -105,7 +110,8 @@ def eagle_run(tmp_path_factory, deepseek):
     """One EAGLE server with OEA armed, the shared expert unfused and routed-expert capture on: one
     request's returned experts with OEA off and at k0=1 (first, while the router dump records its
     first 32 routed steps), the identity checks, the endpoints, then k0 2 from 2 requests: a lone
-    request (below the floor), then 8 concurrent ones, /metrics around."""
+    request (below the floor), then 8 concurrent ones, /metrics around; then the trial (run_the_trial),
+    the log kept up to its first change."""
     dump = str(tmp_path_factory.mktemp("dump"))
     flags = (*FP32, *METRICS, *EAGLE, "--disable-shared-experts-fusion", "--enable-return-routed-experts",
              "--oea-dump-router-logits", dump, "--oea-k0", str(TOP_K), "--oea-min-batch", "1")
@@ -120,8 +126,15 @@ def eagle_run(tmp_path_factory, deepseek):
         with ThreadPoolExecutor(8) as pool:
             outputs = list(pool.map(lambda ids: complete(base, ids, 20, ignore_eos=True), deepseek["prompts"] * 2))
         after = scrape(base)
-    return types.SimpleNamespace(outputs=outputs, start=start, alone=alone, after=after, log=open(log).read(),
-                                 endpoints=endpoints, returned=returned)
+        trial = run_the_trial(base, tmp_path_factory.mktemp("trial"), deepseek)
+    text = open(log).read()
+    # The log up to the trial's first settings change (the scheduler logs it at the pass that applies it,
+    # before that pass's 'Decode batch' line): the passes that the counters in `after` saw.
+    cut = text.find("settings k0=2 min_batch=2 max_batch=0 -> ")
+    trial.cut = cut
+    return types.SimpleNamespace(outputs=outputs, start=start, alone=alone, after=after,
+                                 log=text if cut < 0 else text[:cut], endpoints=endpoints, returned=returned,
+                                 trial=trial)
 
 
 def returned_experts(base, dump, prompt, k0):
@@ -278,6 +291,119 @@ def test_the_trained_draft_is_accepted(eagle_run):
     assert lengths and all(1 <= n <= DRAFTS for n in lengths)
     assert sum(lengths) / len(lengths) > 1.1
     assert 1 <= oea_value(eagle_run.after, "sglang:spec_accept_length") <= DRAFTS
+
+
+# ----------------------------------------------------------------------------- the operator's trial under EAGLE
+
+TRIAL_K0, TRIAL_C = 1, 2  # one arm; C=2 is where the gate the fixture left (min-batch 2) first opens
+TRIAL_FLAGS = ["--k0", str(TRIAL_K0), "--concurrency", str(TRIAL_C), "--input-len", "32", "--output-len", "16",
+               "--prompts-per-concurrency", "2", "--min-prompts", "4", "--warmup-prompts", "0", "--max-repeats", "1",
+               "--accept-prompts", "4", "--budget-minutes", "0.1", "--quality", "quality-ab"]
+
+
+def run_the_trial(base, out, deepseek):
+    """benchmark/oea/trial/trial.py, in this process, against the EAGLE server as eagle_run leaves it
+    (k0 2 in force, min-batch 2, no cap), the smallest trial that goes through every step: preflight,
+    one throughput block at C=2, the paired accept-length probe at its floor (4 prompts; the 6-second
+    budget stops it there unless its first round decides), quality_ab at C=2 on the held-out prompts
+    with transformers' greedy ids as reference_ids, the restore. Returns a namespace: rc, out, seconds,
+    state (the server's OEA state after the trial), left (processes the trial started still alive)."""
+    from trial import trial
+
+    prompts = out / "reference.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "reference_ids": ids}) + "\n"
+                               for p, ids in zip(deepseek["prompts"], deepseek["ids"])))
+    mark = f"OEA_TRIAL_TEST_{os.getpid()}_{id(out)}"  # in the environment of every process the trial starts
+    os.environ[mark] = "1"
+    try:
+        t0 = time.time()
+        rc = trial.main(["--url", base, *TRIAL_FLAGS, "--quality-prompts", str(prompts), "--quality-max-tokens",
+                         str(len(deepseek["ids"][0])), "--out-dir", str(out / "out")])
+        seconds = time.time() - t0
+    finally:
+        del os.environ[mark]
+    print(f"the trial under EAGLE took {seconds:.0f} s")
+    state = json.loads(urllib.request.urlopen(base + "/server_info", timeout=30).read())["internal_states"][0]["oea"]
+    return types.SimpleNamespace(rc=rc, out=out / "out", seconds=seconds, state=state, left=marked_processes(mark))
+
+
+def marked_processes(mark):
+    """Pids of the processes, other than this one, whose environment holds `mark`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read() and int(pid) != os.getpid():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.server
+def test_the_trial_runs_through_the_accept_length_probe_under_eagle(eagle_run, deepseek):
+    """The operator's trial on a real EAGLE server: SGLang's limits and the draft tokens read by the
+    preflight, the throughput table's accept length per arm (context), the paired probe through
+    SGLang's per-request figures (it decides: the verdict's cell and the recommendation use it),
+    quality_ab at C=2 where the gate opens, k0 2 put back, exit 0, nothing left running."""
+    run = eagle_run.trial
+    result = json.loads((run.out / "results.json").read_text())
+    assert run.rc == 0 and result["status"] == "done", result["status"]
+    assert run.cut > 0, "the trial's first settings change is in the server log"
+    # the restore: the k0 the trial found (2, not the 0 of an armed-and-off server), in force, by the trial
+    assert result["restored"] == {"oea_k0": 2} and result["restore"]["by"] == "the trial"
+    assert (run.state["k0"], run.state["min_batch"]) == (2, 2) and "pending" not in run.state
+    assert run.left == []  # the bench driver and the guard are gone
+
+    pre = result["preflight"]
+    assert (pre["speculative"], pre["rows_per_request"], pre["original"]["oea_k0"]) == ("EAGLE", DRAFTS, 2)
+    assert any("each replica runs at most 48 requests at once (SGLang's default under speculative decoding"
+               in line for line in pre["lines"])
+    (gate,) = pre["gates"]
+    assert gate["open"] and gate["rows"] == TRIAL_C * DRAFTS
+
+    # throughput: one block, both arms; SGLang's accept length per arm, pooled over the runs (context)
+    arms = {a["arm"]: a for a in result["arms"]}
+    assert set(arms) == {"baseline", f"oea-k0={TRIAL_K0}"} and all(a["repeats"] == 1 for a in arms.values())
+    assert all(1 <= a["accept_length"] <= DRAFTS for a in arms.values())
+    assert arms["baseline"]["applied_share"] == 0 and arms[f"oea-k0={TRIAL_K0}"]["applied_share"] > 0
+
+    # the paired probe: per request, OEA against off on the same prompts, at least its floor
+    probe = result["accept_length_probe"][str(TRIAL_C)][str(TRIAL_K0)]
+    assert probe["floor"] == 2 * TRIAL_C and probe["n"] == probe["prompts"] >= probe["floor"]
+    assert 1 <= probe["off"] <= DRAFTS and 1 <= probe["oea"] <= DRAFTS
+    assert probe["low"] <= probe["change"] <= probe["high"]
+    assert probe["change"] == pytest.approx((probe["oea"] - probe["off"]) / probe["off"])
+    # k0=1 moves the target's tokens away from those its MTP draft learned to predict (the draft is left
+    # alone): fewer drafts accepted. Pairs taken the wrong way round would show a gain.
+    assert probe["change"] < 0 and probe["oea"] < probe["off"]
+    assert probe["sized"] in (f"cleared the bound after {probe['prompts']} prompts",
+                              f"the budget ended at {probe['prompts']} prompts, the interval not clear of the bound")
+    (cell,) = result["cells"]
+    assert cell["accept_length"] == probe  # the probe decides, not the table
+    shown_worse = f"accept length not shown non-inferior at C={TRIAL_C}" in result["recommendation"]["problems"][
+        str(TRIAL_K0)]
+    assert shown_worse == (not probe["non_inferior"])
+
+    # quality through quality_ab, once: C=2 is both where the gate opens and the largest swept C
+    (quality,) = result["quality"]
+    q = quality["per_k0"][str(TRIAL_K0)]
+    assert (quality["tool"], quality["metric"], quality["concurrency"]) == ("quality-ab", "reference match", TRIAL_C)
+    assert quality["why"].startswith("the smallest concurrency at which the gate opens (min_batch 2 requests, "
+                                     f"{DRAFTS} rows each)")
+    assert q["n"] == len(deepseek["prompts"]) and q["oea_applied"]["applied_steps"] > 0
+    assert q["low"] <= q["delta"] <= q["high"] and 0 < q["baseline"] <= 1
+    assert q["delta"] < 0  # k0=1 moves greedy ids away from transformers' (check_identity_then_change, batch 1)
+    assert list(run.out.glob(f"quality/quality_ab_k0_{TRIAL_K0}_c{TRIAL_C}/*"))
+
+    markdown = (run.out / "results.md").read_text()
+    for text in (f"accept length: 2 arms of at least {2 * TRIAL_C} prompts at C={TRIAL_C} (",
+                 "| accept len (context) |", "## Accept length: the paired probe decides",
+                 "The throughput table's accept length is context", "accept length, OEA vs off (paired probe)",
+                 f"- C={TRIAL_C}, k0={TRIAL_K0}: off {probe['off']:.2f}, OEA {probe['oea']:.2f} over {probe['n']} "
+                 "prompts", "Settings put back: {\"oea_k0\": 2}"):
+        assert text in markdown, text
+    assert set(result["budget"]["phases"]) == {"throughput", "accept length", "quality"}
 
 
 # ----------------------------------------------------------------------------- TP=2, shared expert fused

@@ -190,8 +190,8 @@ class Budget:
                      f"({minutes(one)}), at most {w.max_repeats}; more blocks until resolved, within the time the "
                      f"steps below leave{fit}")
         if w.accept:
-            floor = ", ".join(f"{n} at C={c}" for c, n in w.accept)
-            lines.append(f"accept length: {w.arms} arms of at least {floor} prompts ({minutes(self.accept_floor_s())}"
+            floor = ", ".join(f"{n} prompts at C={c}" for c, n in w.accept)
+            lines.append(f"accept length: {w.arms} arms of at least {floor} ({minutes(self.accept_floor_s())}"
                          f"), then more until the paired interval clears the bound, within "
                          f"{minutes(self.accept_reserve_s())} and what throughput leaves")
         for c, samples, tokens, why in w.quality:

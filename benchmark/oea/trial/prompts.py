@@ -8,14 +8,15 @@ without them is written into --out-dir, and the report says how many were kept).
 The default, without --prompt-file: windows of real text rather than random token ids (a router
 routes random ids unlike any real text, and OEA's saving depends on how its choices overlap). With
 a model directory that holds heldout.txt (this project's trained checkpoints), its held-out text;
-else the Python standard library's source files of this interpreter. Neither is your traffic, and
-the report says so.
+else the Python standard library's source files of this interpreter. From either, the first window
+of each document, then the next windows of each when more prompts are needed than there are
+documents. Neither is your traffic, and the report says so.
 """
 
 import json
 import os
 import random
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 from serving.prompt_files import token_counts, load_prompt_file, write_prompt_file
 
@@ -38,28 +39,50 @@ def default_documents(tokenizer: str) -> Tuple[List[str], str]:
 
 
 def write_default_prompts(tokenizer: str, path: str, count: int, input_len: int, wanted: int = 0) -> str:
-    """`count` windows of input_len + WINDOW_MARGIN tokens (up to `wanted` when more long documents
-    exist: the accept-length probe draws fresh prompts until resolved), one per document in a seeded
-    order, as a prompt file at `path`; returns its label. SystemExit naming --prompt-file when there
-    are fewer than `count` long documents."""
+    """`count` windows of input_len + WINDOW_MARGIN tokens (up to `wanted` when the text holds them:
+    the accept-length probe draws fresh prompts until resolved), the first of each document in a
+    seeded order, then, when there are fewer long documents than that (a trained checkpoint's
+    held-out text holds a few dozen), each document's next windows (later_windows); as a prompt file
+    at `path`; returns its label. SystemExit naming --prompt-file when there are fewer than `count`."""
     from transformers import AutoTokenizer
 
     texts, label = default_documents(tokenizer)
     tok = AutoTokenizer.from_pretrained(tokenizer)
     order = list(range(len(texts)))
     random.Random(DEFAULT_SEED).shuffle(order)
+    size, target = input_len + WINDOW_MARGIN, max(count, wanted)
     pairs = []
     for i in order:
-        ids = tok.encode(texts[i][:40 * (input_len + WINDOW_MARGIN)], add_special_tokens=False)
-        if len(ids) >= input_len + WINDOW_MARGIN:
-            pairs.append((tok.decode(ids[:input_len + WINDOW_MARGIN]), ""))
-        if len(pairs) == max(count, wanted):
+        ids = tok.encode(texts[i][:40 * size], add_special_tokens=False)
+        if len(ids) >= size:
+            pairs.append((tok.decode(ids[:size]), ""))
+        if len(pairs) == target:
             break
+    if len(pairs) < target:
+        pairs += later_windows(tok, [texts[i] for i in order], size, target - len(pairs), {p for p, _ in pairs})
     if len(pairs) < count:
         raise SystemExit(f"--prompt-file: the default prompts hold {len(pairs)} windows of {input_len} tokens, "
                          f"fewer than the {count} this trial sends; pass --prompt-file or lower --input-len")
     write_prompt_file(path, pairs)
     return label
+
+
+def later_windows(tok, texts: List[str], size: int, wanted: int, seen: Set[str]) -> List[Tuple[str, str]]:
+    """Up to `wanted` more (prompt, "") windows of `size` tokens: the second window of each text in
+    order, then the third, and so on; a text's windows follow each other, after its first. A window
+    whose text is in `seen` or already taken (repeated source lines) is left out."""
+    per_text = [tok.encode(text, add_special_tokens=False, verbose=False) for text in texts]
+    out: List[Tuple[str, str]] = []
+    seen = set(seen)
+    for k in range(1, max((len(ids) // size for ids in per_text), default=0)):
+        for ids in per_text:
+            window = tok.decode(ids[k * size:(k + 1) * size]) if (k + 1) * size <= len(ids) else None
+            if window is not None and window not in seen:
+                seen.add(window)
+                out.append((window, ""))
+                if len(out) == wanted:
+                    return out
+    return out
 
 
 def usable_prompt_file(path: str, tokenizer: str, input_len: int, needed: int, out_dir: str) -> Tuple[str, str]:

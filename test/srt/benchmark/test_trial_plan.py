@@ -438,4 +438,11 @@ def test_default_prompts_hold_more_for_the_accept_probe(tmp_path):
 
     path = str(tmp_path / "p.json")
     tpr.write_default_prompts(TRAINED, path, 4, 32, wanted=12)
-    assert len(tpr.prompt_texts(path)) == 12 and len(tpr.prompt_texts(path, 3)) == 3
+    first = tpr.prompt_texts(path)
+    assert len(first) == 12 and len(tpr.prompt_texts(path, 3)) == 3
+    # more than the held-out text's 44 documents: their later windows, distinct (its source repeats
+    # lines), from the held-out text; the first ones (what the throughput runs send) unchanged
+    tpr.write_default_prompts(TRAINED, path, 4, 32, wanted=100)
+    many = tpr.prompt_texts(path)
+    heldout = open(os.path.join(TRAINED, "heldout.txt")).read()
+    assert len(set(many)) == 100 and many[:12] == first and all(text in heldout for text in many)
