@@ -57,3 +57,17 @@ def run_in_interpreter(test_file: str, deselect: str, timeout: int = 900) -> Non
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def marked_processes(mark: str) -> list:
+    """Pids of the processes, other than this one, whose environment holds `mark` (every child a
+    tool under test started, when the mark was put in its environment)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read() and int(pid) != os.getpid():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found

@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from oea_fixtures import marked_processes
+
 from test_server_e2e import (TRAINED_DIR, accept_lengths, complete, concurrent, greedy_ids, heldout_prompts,
                              oea_value, post, scrape, serve, set_live, transformers_greedy)
 
@@ -325,19 +327,6 @@ def run_the_trial(base, out, deepseek):
     print(f"the trial under EAGLE took {seconds:.0f} s")
     state = json.loads(urllib.request.urlopen(base + "/server_info", timeout=30).read())["internal_states"][0]["oea"]
     return types.SimpleNamespace(rc=rc, out=out / "out", seconds=seconds, state=state, left=marked_processes(mark))
-
-
-def marked_processes(mark):
-    """Pids of the processes, other than this one, whose environment holds `mark`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark.encode() in f.read() and int(pid) != os.getpid():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.server

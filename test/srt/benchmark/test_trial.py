@@ -31,6 +31,8 @@ import uuid
 
 import pytest
 
+from oea_fixtures import marked_processes
+
 from common import report
 from common import oea_metrics
 from common.http import Auth, http_json, use_auth
@@ -368,19 +370,6 @@ def requests_served(url):
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
                    if line.startswith("sglang:num_requests_total"))
-
-
-def marked_processes(mark):
-    """Pids of the processes whose environment holds `mark` (every child the trial started)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark.encode() in f.read() and int(pid) != os.getpid():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.server
