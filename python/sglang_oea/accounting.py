@@ -79,7 +79,7 @@ class PassAccounts:
         was a serving pass, now counted."""
         if step.graph:
             if step.routed:  # replays of this bucket hold routing iff this capture pass routed
-                key = (step.mode, step.requests, step.rows_per_request)
+                key = (step.mode, step.bucket, step.rows_per_request)
                 self.captured[key] = step.tally.outcome()
                 self.captured_top_k[key] = step.tally.top_k
             return False

@@ -128,18 +128,44 @@ def check_a2a_backend(backend: Optional[str], resolved: bool = False) -> None:
 def check_parallelism(get: Callable[[str, Any], Any]) -> None:
     """Refuse the parallel layouts OEA does not support yet. `get(name, default)` reads a setting.
 
-    Supported: tensor parallel on one node or across nodes (--nnodes), and data-parallel replicas
-    (--dp-size N without DP attention): every scheduler routes its own batch, and the batch each
-    MoE layer routes is that scheduler's own (docs/scale-out.md)."""
+    Supported: tensor parallel on one node or across nodes (--nnodes), data-parallel replicas
+    (--dp-size N without DP attention: every scheduler routes its own batch), and DP attention
+    (every rank routes the batch gathered from every attention-DP group; check_dp_attention)
+    (docs/scale-out.md)."""
     check_a2a_backend(get("moe_a2a_backend", "none"))
     if (get("ep_size", 1) or 1) > 1:
         raise ValueError(f"--oea-k0 supports --ep-size 1 only (expert parallel is not supported yet), got {get('ep_size', 1)}")
     if get("enable_dp_attention", False) or (get("attn_dp_size", 1) or 1) > 1:
-        raise ValueError("--oea-k0 does not support DP attention yet (--enable-dp-attention / --attn-dp-size > 1: each "
-                         "rank's MoE layers route the tokens gathered from every attention-DP rank); data-parallel "
-                         "replicas (--dp-size N without --enable-dp-attention) are supported")
+        check_dp_attention(get)
     if get("use_ray", False):
         raise ValueError("--oea-k0 does not support --use-ray: Ray workers do not load SGLang plugins")
+
+
+# DP attention settings under which the ranks would not route one gathered batch alike: flag -> why.
+DP_ATTENTION_REFUSED = {
+    "enable_dp_attention_local_control_broadcast": "each attention-DP group then receives live settings on its own, "
+    "so the ranks could switch k0 at different passes",
+    "enable_two_batch_overlap": "each half of the batch is gathered and routed on its own",
+    "enable_single_batch_overlap": "it overlaps the MoE with an all-to-all dispatch (DeepEP, MoRI)",
+}
+# SGLang's environment switch that skips the ranks' per-pass metadata exchange (managers/scheduler_components/
+# dp_attn.py): without it no rank knows the other groups' token counts.
+SKIP_ALL_GATHER_ENV = "SGLANG_SCHEDULER_SKIP_ALL_GATHER"
+
+
+def check_dp_attention(get: Callable[[str, Any], Any], environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse what keeps the ranks of a DP-attention server from routing one gathered batch alike."""
+    for name, why in DP_ATTENTION_REFUSED.items():
+        if get(name, False):
+            raise ValueError(f"--oea-k0 with DP attention does not support --{name.replace('_', '-')}: {why}")
+    for name in ("attn_cp_size", "dwdp_size"):
+        if (get(name, 1) or 1) > 1:
+            raise ValueError(f"--oea-k0 with DP attention supports --{name.replace('_', '-')} 1 only, got {get(name, 1)} "
+                             "(its gathered layout is not supported yet)")
+    environ = os.environ if environ is None else environ
+    if environ.get(SKIP_ALL_GATHER_ENV, "").lower() in ("1", "true", "yes", "on"):
+        raise ValueError(f"--oea-k0 with DP attention cannot run with {SKIP_ALL_GATHER_ENV} set: the ranks then do not "
+                         "exchange their groups' token counts, which OEA needs to route the gathered batch alike")
 
 
 def note_disaggregation(get: Callable[[str, Any], Any]) -> None:

@@ -26,8 +26,9 @@ detokenizer, get none of them: sglang_oea.routing_scope):
   ModelRunner.initialize               AFTER   once the target model is built, before any memory
                                                pool or CUDA graph: refuses routed layers whose top-k
                                                output hides topk_ids (sglang_oea.startup_checks).
-  forward_context.forward_context      AROUND  tells the runtime what each forward pass is; accounts
-                                               for it when the outermost pass ends.
+  forward_context.forward_context      AROUND  tells the runtime what each forward pass is (under DP
+                                               attention the gathered batch: sglang_oea.dp_attention);
+                                               accounts for it when the outermost pass ends.
   Scheduler.__init__                   AFTER   logs the settings and the kernel choice; metrics.
   SchedulerMetricsReporter.report_decode_stats  BEFORE  exports metrics once per log interval and
                                                  hands SGLang's 'Decode batch' line an OEA summary
@@ -60,7 +61,7 @@ import pkgutil
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional, Tuple
 
-from sglang_oea import flags, live_settings, routing_scope, startup_checks
+from sglang_oea import dp_attention, flags, live_settings, routing_scope, startup_checks
 from sglang_oea.config import ENGINE_KEYWORDS, OEAConfig, build_config
 from sglang_oea.rank_check import RankCheck
 from sglang_oea.runtime import DECODE, DRAFT, OTHER, VERIFY, OEARuntime, graph_capture_active
@@ -269,7 +270,8 @@ def ensure_runtime() -> Optional[OEARuntime]:
         parallel = get_parallel()
         _runtime = OEARuntime(cfg, rank=int(parallel.tp_rank or 0),
                               speculative=bool(get_server_args().speculative_algorithm),
-                              world_size=int(parallel.tp_size or 1), agree=tp_agreement, dp_rank=parallel.dp_rank)
+                              world_size=int(parallel.tp_size or 1), agree=tp_agreement, dp_rank=parallel.dp_rank,
+                              groups=dp_attention.attention_dp_groups(), slots=dp_attention.gathered_slots)
     return _runtime
 
 
@@ -303,6 +305,7 @@ def scheduler_init_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) 
                                                              runtime.verify_widths))
     attach_rank_check(runtime)
     metrics.attach(runtime, scheduler)
+    dp_attention.configure(scheduler, runtime)
 
 
 def attach_rank_check(runtime: OEARuntime) -> None:
@@ -355,8 +358,12 @@ def _oea_step(inner: Any, forward_batch: Any):
     # the device), never take its padded rows for real ones: it is a graph pass whatever SGLang's
     # capture-mode flag says.
     graph = capture_mode_active() or (_replaying and not outermost)
-    previous = runtime.begin_step(forward_mode_of(forward_batch), token_rows(forward_batch),
-                                  graph=graph, outermost=outermost, requests=int(forward_batch.batch_size))
+    described = dict(mode=forward_mode_of(forward_batch), num_rows=token_rows(forward_batch),
+                     requests=int(forward_batch.batch_size))
+    if runtime.groups:  # DP attention: the gathered batch
+        described = dp_attention.describe(runtime, forward_batch, described, outermost, graph)
+    previous = runtime.begin_step(graph=graph, outermost=outermost, **described)
+    ended = runtime.step
     runtime.depth += 1
     try:
         with inner:
@@ -366,6 +373,8 @@ def _oea_step(inner: Any, forward_batch: Any):
         if outermost:
             runtime.end_step()
         runtime.step = previous
+    if outermost and runtime.groups:
+        dp_attention.after_pass(runtime, ended, forward_batch.forward_mode.is_idle())
 
 
 def forward_context_hook(original: Callable, ctx: Any, *args: Any, forward_batch: Any = None, **kwargs: Any):
@@ -464,7 +473,7 @@ def decode_stats_hook(reporter: Any, *args: Any, **kwargs: Any) -> None:
     from sglang_oea import metrics
 
     step = reporter.forward_ct_decode
-    check = _runtime.rank_check
+    check = None if _runtime.groups else _runtime.rank_check  # under DP attention: at the gathered passes
     snapshot = None
     if check is not None and check.due(step):
         snapshot = _runtime.read_snapshot()

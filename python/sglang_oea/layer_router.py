@@ -78,16 +78,24 @@ class DeviceState:
     by every routing call of a graph pass and by the kernel (routing.CONTROL_FIELDS). Written only
     by `write_control`, on the current (forward) stream, element by element with fill_ (no host
     sync), and only where a value changed.
+    group_rows: int32 [G] under DP attention (groups = G > 1): each attention-DP group's real token
+    rows, which a graph replay's gathered order reads (sglang_oea.gathered); None otherwise.
     """
 
-    def __init__(self, device: torch.device, stats: bool, checksums: bool, settings: LiveSettings):
+    def __init__(self, device: torch.device, stats: bool, checksums: bool, settings: LiveSettings, groups: int = 0):
         self.rows = torch.zeros((), dtype=torch.int32, device=device)
+        self.group_rows = torch.zeros(groups, dtype=torch.int32, device=device) if groups > 1 else None
         self.control = torch.zeros(3, dtype=torch.int32, device=device)
         self.written: Tuple[int, ...] = (0, 0, 0)  # what the block holds (zeros when made)
         self.write_control(settings)
         self.stats, self.checksums = stats, checksums
         self.counters = LayerCounters(device) if stats or checksums else None
         self.snapshots = SnapshotRing(self.counters) if self.counters is not None else None
+
+    def write_group_rows(self, rows) -> None:
+        """Enqueue each group's real rows into group_rows on the current stream (no host sync)."""
+        pinned = self.group_rows.is_cuda
+        self.group_rows.copy_(torch.tensor(list(rows), dtype=torch.int32, pin_memory=pinned), non_blocking=pinned)
 
     def write_control(self, settings: LiveSettings) -> None:
         """Enqueue the settings' values into the control block on the current stream."""
@@ -96,6 +104,13 @@ class DeviceState:
             if old != new:
                 self.control[i].fill_(new)
         self.written = values
+
+
+def host_int32(values, device: torch.device) -> torch.Tensor:
+    """int32 [len(values)] on `device`, copied without a host sync: from pinned memory when the
+    device is a GPU (the caching host allocator keeps it alive until the copy is done)."""
+    pinned = device.type == "cuda"
+    return torch.tensor(list(values), dtype=torch.int32, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 class LayerRouter:

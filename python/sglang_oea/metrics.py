@@ -23,6 +23,9 @@ scheduler group, whose TP ranks count from 0, and in Prometheus' multiprocess mo
 series with the same labels would merge (the "mostrecent" gauges would keep one replica's value,
 the counters would add up). Apart, each replica's series reads as on a one-replica server; the
 server's total is the sum over dp_rank of one TP rank's counters (every TP rank counts the same).
+Under DP attention SGLang's dp_rank is the rank's attention-DP group, and every rank routes and
+counts each gathered pass once (sglang_oea.dp_attention): one TP rank's counters are the server's
+total (each TP rank is in one group, so the sum over dp_rank of tp_rank="0" is that rank alone).
 Expert counts are averaged over the steps (decode or verify) where OEA applied between two counter
 snapshots (sglang_oea.counters): each report covers the routed passes up to the second-newest one.
 The step counters' k0 label is the k0 each step ran with (the settings can change while the server
@@ -258,8 +261,8 @@ class PrometheusExport:
 
 def series_labels(model_name: str, rank: int, dp_rank: Optional[int] = None) -> Dict[str, str]:
     """The labels every OEA series of one rank carries: model_name, tp_rank, and dp_rank in a
-    data-parallel replica (SGLang's convention: only where a DP controller runs, so that a
-    one-replica server keeps its series as they were)."""
+    data-parallel replica or, under DP attention, its attention-DP group (SGLang's convention: only
+    where a DP controller runs, so that a one-replica server keeps its series as they were)."""
     labels = {"model_name": model_name, "tp_rank": str(rank)}
     if dp_rank is not None:
         labels["dp_rank"] = str(dp_rank)

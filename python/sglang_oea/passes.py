@@ -34,6 +34,7 @@ SKIP_UNSUPPORTED = "router_unsupported"
 SKIP_NOOP = "k0_covers_top_k"
 SKIP_KERNEL_OFF = "kernel_off"
 SKIP_OFF = "oea_off"  # k0 = 0: armed, but off (the router's own experts)
+SKIP_LAYOUT = "gathered_layout"  # DP attention: the gathered batch is not laid out as expected
 # The settings of the placeholder step that describes no pass.
 NO_SETTINGS = LiveSettings(k0=0, min_batch=1, max_batch=0)
 
@@ -46,9 +47,13 @@ class PassTally:
     unsupported: bool = False  # a target MoE layer has a router OEA does not handle
     noop: bool = False  # k0 >= the layer's top-k
     kernel_off: bool = False  # OEA is off for a layer's routing shape (kernel failed or unavailable on CUDA)
+    layout: bool = False  # DP attention: the gathered batch's layout was not the one expected
     replayed_bucket: Optional[int] = None  # the graph (bucket in requests) replayed for this pass
     rows_written: bool = False  # the device row count holds this pass's real rows
     top_k: int = 0  # the largest top-k of the layers OEA routed in this pass
+    # Under DP attention: (gathered rows, capturing, order, inverse) of this pass (sglang_oea.gathered),
+    # made at its first routed layer and shared by the others (in a graph, captured once with them).
+    order: Optional[tuple] = None
 
     def outcome(self) -> Optional[str]:
         """None when OEA rewrote ids, else the skip reason."""
@@ -56,6 +61,8 @@ class PassTally:
             return None
         if self.kernel_off:
             return SKIP_KERNEL_OFF
+        if self.layout:
+            return SKIP_LAYOUT
         return SKIP_UNSUPPORTED if self.unsupported else SKIP_NOOP if self.noop else SKIP_NO_IDS
 
 
@@ -68,6 +75,10 @@ class StepInfo:
     requests: the pass's requests (the bucket size in graph passes); the batch gate counts these.
     settings: the live settings the pass routes with (those in force when its outermost context
         began; nested contexts share them).
+    groups: under DP attention, the attention-DP groups whose tokens every MoE layer sees gathered
+        (0 otherwise). Then num_rows and requests count the whole gathered batch (graph passes: the
+        bucket of every group), and group_rows gives each group's real token rows (empty in graph
+        warm-up and capture passes, whose real rows are known only at replay).
     """
 
     mode: str = OTHER
@@ -78,6 +89,13 @@ class StepInfo:
     index: int = -1  # routed steps counted before this one (router dumps)
     tally: PassTally = field(default_factory=PassTally)
     settings: LiveSettings = NO_SETTINGS
+    groups: int = 0
+    group_rows: Tuple[int, ...] = ()
+
+    @property
+    def bucket(self) -> int:
+        """A graph pass's bucket in requests: that of one attention-DP group under DP attention."""
+        return self.requests // self.groups if self.groups else self.requests
 
     @property
     def routed(self) -> bool:
@@ -130,11 +148,14 @@ def bucket_may_open(cfg: OEAConfig, step: StepInfo, graph_buckets: Sequence[int]
 
     A bucket serves batches of (the previous bucket, this bucket] requests (SGLang pads a batch up
     to the smallest bucket that holds it); with the runner's bucket list unknown, of [1, bucket].
+    Under DP attention the bucket is one group's (SGLang picks it for the busiest group) and the
+    gate counts every group's requests: its batches hold from (the previous bucket + 1) requests
+    (the other groups idle) to step.requests (every group full).
     A pass of a mode this server never routes (verify passes under --oea-verify off) may never open.
     """
     if mode_skip_reason(cfg.verify, step.mode) is not None or step.requests < cfg.min_batch:
         return False
-    smaller = [b for b in graph_buckets if b < step.requests]
+    smaller = [b for b in graph_buckets if b < step.bucket]
     fewest = max(max(smaller) + 1 if smaller else 1, cfg.min_batch)  # the fewest it may route
     return not cfg.max_batch or fewest * step.rows_per_request <= cfg.max_batch
 

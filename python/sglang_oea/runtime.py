@@ -31,18 +31,19 @@ OEARuntime is the façade the hooks use. Behind it:
 import logging
 import os
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from sglang_oea.accounting import PassAccounts
 from sglang_oea.config import LiveSettings, OEAConfig
 from sglang_oea.counters import MAX_LAYERS, LayerCounters, Snapshot
-from sglang_oea.layer_router import DeviceState, LayerRouter, LayerRouting
+from sglang_oea.gathered import gathered_order, layout_problem, slot_starts
+from sglang_oea.layer_router import DeviceState, LayerRouter, LayerRouting, host_int32
 from sglang_oea.passes import (  # the pass vocabulary, imported from here by the hooks, metrics and tests
     DECODE, DRAFT, OTHER, ROUTED_MODES, SKIP_ABOVE_MAX, SKIP_BELOW_MIN, SKIP_KERNEL_OFF, SKIP_NO_IDS, SKIP_NOOP,
-    SKIP_NOT_DECODE, SKIP_OFF, SKIP_UNSUPPORTED, SKIP_VERIFY, VERIFY, PassTally, StepInfo, bucket_may_open,
-    skip_reason,
+    SKIP_LAYOUT, SKIP_NOT_DECODE, SKIP_OFF, SKIP_UNSUPPORTED, SKIP_VERIFY, VERIFY, PassTally, StepInfo,
+    bucket_may_open, skip_reason,
 )
 from sglang_oea.rank_check import RankCheck
 from sglang_oea.router_dump import RouterDump
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "OEARuntime", "graph_capture_active", "is_capturing", "MAX_LAYERS", "PassTally", "StepInfo",
     "DECODE", "VERIFY", "DRAFT", "OTHER", "ROUTED_MODES", "SKIP_BELOW_MIN", "SKIP_ABOVE_MAX", "SKIP_NOT_DECODE",
-    "SKIP_VERIFY", "SKIP_NO_IDS", "SKIP_UNSUPPORTED", "SKIP_NOOP", "SKIP_KERNEL_OFF", "SKIP_OFF",
+    "SKIP_VERIFY", "SKIP_NO_IDS", "SKIP_UNSUPPORTED", "SKIP_NOOP", "SKIP_KERNEL_OFF", "SKIP_OFF", "SKIP_LAYOUT",
 ]
 
 
@@ -82,11 +83,17 @@ class OEARuntime:
     """OEA for one process: gate, route, count (passes, layer_router, accounting behind it)."""
 
     def __init__(self, cfg: OEAConfig, rank: int = 0, speculative: bool = False, world_size: int = 1,
-                 agree: Optional[Callable[[bool], bool]] = None, dp_rank: Optional[int] = None):
+                 agree: Optional[Callable[[bool], bool]] = None, dp_rank: Optional[int] = None, groups: int = 0,
+                 slots: Optional[Callable[[], Optional[Sequence[int]]]] = None):
         """rank, world_size: this process's place in its tensor-parallel group. agree: combines this
         rank's kernel self-check verdict with every other TP rank's (routers.RouterChoice); None in
-        a single process. dp_rank: its data-parallel replica (--dp-size > 1), None without one."""
+        a single process. dp_rank: its data-parallel replica (--dp-size > 1) or, under DP attention,
+        its attention-DP group; None without either. groups: the attention-DP groups under DP
+        attention (0 without it); slots: reads the padded token counts of the groups' slots in the
+        current eager pass's gathered buffer (SGLang's, sglang_oea.dp_attention)."""
         self.cfg = cfg
+        self.groups = groups
+        self.slots = slots
         self.rank = rank
         self.dp_rank = dp_rank
         self.world_size = world_size
@@ -112,7 +119,8 @@ class OEARuntime:
         self.accounts = PassAccounts(cfg)
         self.routers = RouterChoice(cfg.kernel, cfg.k0, rank, agree=agree)
         self.layer_router = LayerRouter(cfg, self.routers)
-        dump_dir = cfg.dump_router_logits and dump_directory(cfg.dump_router_logits, dp_rank)
+        # Under DP attention every rank routes the same gathered batch and counts the same steps: one folder.
+        dump_dir = cfg.dump_router_logits and dump_directory(cfg.dump_router_logits, None if groups else dp_rank)
         self.dump = RouterDump(dump_dir, cfg.dump_steps, rank) if dump_dir else None
         self.warned: set = set()
 
@@ -203,7 +211,7 @@ class OEARuntime:
         if self.device is None:
             if capturing:
                 raise GraphCaptureError("sglang-oea: the routing state would be allocated inside CUDA-graph capture")
-            self.device = DeviceState(device, self.cfg.stats, self.checksums, self._settings)
+            self.device = DeviceState(device, self.cfg.stats, self.checksums, self._settings, self.groups)
         return self.device
 
     # ------------------------------------------------------------------ the pass
@@ -213,10 +221,12 @@ class OEARuntime:
         return DRAFT if mode == DECODE and self.speculative else mode
 
     def begin_step(self, mode: str = DECODE, num_rows: int = 0, graph: bool = False, outermost: bool = True,
-                   decode: Optional[bool] = None, requests: Optional[int] = None) -> StepInfo:
+                   decode: Optional[bool] = None, requests: Optional[int] = None, groups: int = 0,
+                   group_rows: Tuple[int, ...] = ()) -> StepInfo:
         """Enter a forward pass (host ints only: no device sync); returns the previous step.
 
         num_rows: token rows; requests: the pass's requests (default num_rows, as in decode).
+        groups, group_rows: the gathered batch under DP attention (StepInfo).
         A nested context (outermost=False) describes the same pass: it shares its tally and its
         settings. An outermost pass outside CUDA-graph warm-up and capture first applies the
         settings requested since the last one (apply_pending).
@@ -234,7 +244,7 @@ class OEARuntime:
         settings = self._settings if outermost else previous.settings
         apply = skip_reason(settings, self.cfg.verify, mode, requests, num_rows) is None
         self.step = StepInfo(mode=mode, num_rows=num_rows, requests=requests, apply=apply, graph=graph,
-                             index=index, tally=tally, settings=settings)
+                             index=index, tally=tally, settings=settings, groups=groups, group_rows=tuple(group_rows))
         return previous
 
     def end_step(self) -> None:
@@ -247,9 +257,15 @@ class OEARuntime:
             self.device.snapshots.take(self.routed_steps, host=dict(self.accounts.tokens_by_k0))
 
     def set_replay_rows(self, real_rows: int) -> None:
-        """Before a graph replay: the real token rows, for the captured routing to read."""
-        if self.device is not None:
-            self.device.rows.fill_(real_rows)
+        """Before a graph replay: the real token rows, for the captured routing to read (under DP
+        attention: every group's, from the pass's gathered rows, and each group's apart)."""
+        if self.device is None:
+            return
+        step = self.step
+        if step.groups and step.group_rows and self.device.group_rows is not None:
+            self.device.write_group_rows(step.group_rows)
+            real_rows = sum(step.group_rows)
+        self.device.rows.fill_(real_rows)
 
     def note_replay(self, bucket: int) -> None:
         """After a graph replay: which bucket's graph (in requests) ran in this pass."""
@@ -294,10 +310,23 @@ class OEARuntime:
         graph = step.graph or capturing
         routed = self.route_if_open(layer, info, router_logits, topk_ids, topk_weights, capturing, graph)
         if self.dump is not None and not graph and self.dump.wants(step.index):
-            rows = step.num_rows
-            self.dump.write(step.index, layer, router_logits[:rows], info.spec, topk_config, info.num_routed,
-                            topk_ids[:rows], None if routed is None else routed[0][:rows])
+            self.dump_layer(layer, info, topk_config, router_logits, topk_ids, routed)
         return routed
+
+    def dump_layer(self, layer: int, info: LayerRouting, topk_config: Any, logits, ids, routed) -> None:
+        """--oea-dump-router-logits: the real rows of one eager layer (under DP attention, every
+        group's real rows of the gathered batch, in buffer order)."""
+        step = self.step
+        tensors = (logits, ids, None if routed is None else routed[0])
+        order = (self.gathered(self.device_state(logits.device, False), logits.shape[0], False, False)
+                 if step.groups else None)
+        if step.groups and order is None:
+            return
+        if order is None:
+            real = [t if t is None else t[:step.num_rows] for t in tensors]
+        else:
+            real = [t if t is None else t.index_select(0, order[0][:step.num_rows]) for t in tensors]
+        self.dump.write(step.index, layer, real[0], info.spec, topk_config, info.num_routed, real[1], real[2])
 
     def route_if_open(self, layer: int, info: LayerRouting, logits, ids, weights, capturing: bool, graph: bool):
         """route()'s gates, then the layer router: (ids, weights), or None to keep the router's.
@@ -317,8 +346,47 @@ class OEARuntime:
             step.tally.noop = True
             return None
         state = self.device_state(logits.device, capturing)
+        order = None
+        if step.groups:  # route the gathered batch's real rows, moved to the front (sglang_oea.gathered)
+            order = self.gathered(state, logits.shape[0], graph, capturing)
+            if order is None:
+                return None
+            logits, ids, weights = (t.index_select(0, order[0]) for t in (logits, ids, weights))
         routed = self.layer_router.route_layer(step, state, layer, info, logits, ids, weights, capturing, graph)
-        if routed is not None:
-            step.tally.rewrote = True
-            step.tally.top_k = max(step.tally.top_k, info.num_routed)
-        return routed
+        if routed is None:
+            return None
+        step.tally.rewrote = True
+        step.tally.top_k = max(step.tally.top_k, info.num_routed)
+        return routed if order is None else tuple(t.index_select(0, order[1]) for t in routed)
+
+    def gathered(self, state: DeviceState, num_rows: int, graph: bool, capturing: bool):
+        """(order, inverse) of this pass's gathered batch (sglang_oea.gathered), made at its first
+        routed layer; None, with the pass skipped as SKIP_LAYOUT, when its layout is not the one
+        expected. Graph passes read each group's real rows from the device (written before every
+        replay) in equal slots; eager passes take them from the host, in the slots SGLang padded.
+
+        Made again inside a capture: SGLang runs a bucket's eager warm-ups and its capture in one
+        outer forward context (one tally), and an order made by a warm-up holds that warm-up's
+        rows, in memory the graph does not own."""
+        step = self.step
+        cached = step.tally.order
+        if cached is not None and cached[:2] == (num_rows, capturing):
+            return cached[2], cached[3]
+        real, starts = state.group_rows, None
+        if graph:
+            problem = layout_problem(num_rows, [0] * step.groups, None)
+        else:
+            slots = self.slots() if self.slots is not None else None
+            problem = ("the gathered slots' sizes are unknown" if slots is None
+                       else layout_problem(num_rows, step.group_rows, slots))
+            if problem is None:
+                block = host_int32(list(step.group_rows) + slot_starts(slots), state.rows.device)
+                real, starts = block[:step.groups], block[step.groups:]
+        if problem is not None or real is None:
+            step.tally.layout = True
+            self.warn_once(SKIP_LAYOUT, "sglang-oea: a DP-attention pass's gathered batch is not laid out as "
+                           "expected (%s); OEA leaves such passes alone.", problem or "no group rows on the device")
+            return None
+        order, inverse = gathered_order(num_rows, real, starts)
+        step.tally.order = (num_rows, capturing, order, inverse)
+        return order, inverse

@@ -218,8 +218,12 @@ def test_startup_check_loads_the_config_of_the_served_revision(moe_model, monkey
 
 @pytest.mark.parametrize("overrides,message", [
     ({"ep_size": 2}, "--ep-size 1 only"),
-    ({"enable_dp_attention": True}, r"does not support DP attention yet \(--enable-dp-attention / --attn-dp-size > 1"),
-    ({"attn_dp_size": 2, "dp_size": 2}, "data-parallel replicas \\(--dp-size N without --enable-dp-attention\\) are supported"),
+    ({"enable_dp_attention": True, "enable_dp_attention_local_control_broadcast": True},
+     "with DP attention does not support --enable-dp-attention-local-control-broadcast: each attention-DP group"),
+    ({"attn_dp_size": 2, "enable_two_batch_overlap": True}, "does not support --enable-two-batch-overlap"),
+    ({"attn_dp_size": 2, "enable_single_batch_overlap": True}, "does not support --enable-single-batch-overlap"),
+    ({"attn_dp_size": 2, "attn_cp_size": 2}, "with DP attention supports --attn-cp-size 1 only, got 2"),
+    ({"attn_dp_size": 2, "dwdp_size": 2}, "with DP attention supports --dwdp-size 1 only, got 2"),
     ({"use_ray": True}, "--use-ray"),
     ({"moe_a2a_backend": "deepep"}, r"--moe-a2a-backend none only \(all-to-all expert dispatch is expert parallel, .*got deepep"),
     ({"moe_runner_backend": "flashinfer_trtllm"}, "--moe-runner-backend flashinfer_trtllm .* use --moe-runner-backend triton"),
@@ -234,11 +238,20 @@ def test_unsupported_configurations_are_refused(moe_model, overrides, message):
         flags.validate_server(OEAConfig(k0=2), settings(moe_model, **overrides), lambda: {})
 
 
-@pytest.mark.parametrize("overrides", [{"dp_size": 2}, {"dp_size": 2, "nnodes": 2, "node_rank": 1, "tp_size": 4}])
-def test_data_parallel_replicas_and_nodes_are_accepted(moe_model, overrides):
-    """Each DP replica routes its own batch; TP across nodes is TP (docs/scale-out.md)."""
+@pytest.mark.parametrize("overrides", [{"dp_size": 2}, {"dp_size": 2, "nnodes": 2, "node_rank": 1, "tp_size": 4},
+                                       {"tp_size": 2, "attn_dp_size": 2}, {"tp_size": 2, "enable_dp_attention": True}])
+def test_data_parallel_replicas_nodes_and_dp_attention_are_accepted(moe_model, overrides):
+    """Each DP replica routes its own batch; TP across nodes is TP; under DP attention every rank
+    routes the gathered batch (docs/scale-out.md)."""
     shape = flags.validate_server(OEAConfig(k0=2), settings(moe_model, **overrides), lambda: json.load(open(f"{moe_model}/config.json")))
     assert shape.top_k == 4
+
+
+def test_dp_attention_refused_when_the_ranks_skip_the_token_count_exchange():
+    get = settings("unused", attn_dp_size=2)
+    flags.check_dp_attention(get, {})  # accepted without it
+    with pytest.raises(ValueError, match="cannot run with SGLANG_SCHEDULER_SKIP_ALL_GATHER set"):
+        flags.check_dp_attention(get, {flags.SKIP_ALL_GATHER_ENV: "1"})
 
 
 def test_model_without_routed_experts_is_refused(dense_model):

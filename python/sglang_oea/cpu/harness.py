@@ -48,7 +48,7 @@ def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache: bool
 
     Args:
         q: [B * D, Hq * Dqk]; k, v: [B * D, Hkv, Dqk / Dv], written to the KV cache first.
-        forward_batch.spec_info.custom_mask: [B * D * D] bool, mask[b, i, j]: draft i sees draft j.
+        forward_batch.spec_info.custom_mask: [R * D * D] bool for the R <= B real requests, mask[b, i, j]: draft i sees draft j.
             This is the draft-only (QLEN_ONLY) tree mask, which SGLang builds on the CPU for both
             NGRAM and EAGLE (`speculative/eagle_utils.py`, default_tree_mask_mode: QLEN_ONLY when
             on the CPU), not the prefix-wide FULL_MASK of the GPU kernels; tested with both.
@@ -63,11 +63,14 @@ def verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache: bool
         pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
     rows = forward_batch.batch_size
     drafts = forward_batch.spec_info.draft_token_num
-    tree = forward_batch.spec_info.custom_mask.view(rows, drafts, drafts).bool()
+    # Under DP attention SGLang pads a group's verify batch to the agreed request count; the tree
+    # mask covers the real requests only, and the padded rows' output is never read: zeros.
+    real = min(rows, forward_batch.spec_info.custom_mask.numel() // (drafts * drafts))
+    tree = forward_batch.spec_info.custom_mask[:real * drafts * drafts].view(real, drafts, drafts).bool()
     query = q.view(rows, drafts, layer.tp_q_head_num, layer.qk_head_dim).transpose(1, 2)  # [B, Hq, D, Dqk]
-    out = q.new_empty(rows, drafts, layer.tp_q_head_num, layer.v_head_dim)
+    out = q.new_zeros(rows, drafts, layer.tp_q_head_num, layer.v_head_dim)
     keys, values = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    for b in range(rows):
+    for b in range(real):
         prefix = int(forward_batch.seq_lens[b])
         slots = backend.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[b], :prefix + drafts].long()
         mask = torch.cat([tree.new_ones(drafts, prefix), tree[b]], dim=1)  # [D, prefix + D]
