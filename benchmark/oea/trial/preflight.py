@@ -4,17 +4,24 @@ whether a trial on it can mean anything.
 Reads GET /server_info once: each scheduler's OEA state (internal_states[i]["oea"]: the settings
 in force, the startup envelope, --oea-verify, the routing kernel and its self-check), SGLang's own
 fields (speculative_algorithm, speculative_num_draft_tokens, enable_metrics, tp_size, dp_size,
-decode_log_interval) and the model's top-k (its config.json). SGLang's limits (Limits): the requests
-one replica runs at once (internal_states[i]["effective_max_running_requests_per_dp"], else
-max_running_requests; under speculative decoding SGLang sets 48 when --max-running-requests is not
-given), the data-parallel replicas (dp_size: each forms its own batches from about C / N of the
-requests) and the decode CUDA graphs' largest batch (cuda_graph_config.decode.max_bs).
+attn_dp_size, decode_log_interval) and the model's top-k (its config.json). SGLang's limits
+(Limits): the requests one scheduler runs at once (internal_states[i]
+["effective_max_running_requests_per_dp"], else max_running_requests / attention-DP groups; under
+speculative decoding SGLang sets 48 in all when --max-running-requests is not given), the
+data-parallel replicas (dp_size: each forms its own batches from about C / N of the requests), the
+attention-DP groups (attn_dp_size: one scheduler each, but one batch for OEA, see below) and the
+decode CUDA graphs' largest batch (cuda_graph_config.decode.max_bs).
 
-Then, for every concurrency C, whether OEA's batch gate can open there, on the batch a replica
-really forms: its R = min(C / N, max running requests) requests route R x D token rows (D = draft
-tokens under speculative decoding, else 1); the gate is open when R >= min_batch on every replica
-(floor(C / N)) and, with a cap, R x D <= max_batch on every replica (ceil(C / N)). A concurrency
-above what a replica runs at once is marked (the rest of its requests wait in the queue).
+Then, for every concurrency C, whether OEA's batch gate can open there, on the batch OEA routes:
+- --dp-size N: each replica forms its own batches, R = min(C / N, max running requests);
+- DP attention (--attn-dp-size G): the G groups schedule their requests apart (round robin spreads
+  them), but before every MoE layer SGLang gathers them, and OEA's gate counts that gathered batch:
+  R = min(C, G x a group's max running requests). The decode CUDA graphs' largest batch applies per
+  group: a pass runs eagerly when its busiest group holds more (ceil(C / G) > max_bs).
+R requests route R x D token rows (D = draft tokens under speculative decoding, else 1); the gate
+is open when R >= min_batch on every replica (floor(C / N)) and, with a cap, R x D <= max_batch on
+every replica (ceil(C / N)). A concurrency above what the server runs at once is marked (the rest
+of its requests wait in the queue).
 
 What cannot give a meaningful trial raises TrialRefused, naming the flag or field and what to do.
 Nothing is sent but that one GET.
@@ -41,26 +48,35 @@ EAGLE_DEFAULT_MAX_RUNNING = 48  # SGLang 0.5.23 under EAGLE-family decoding with
 
 @dataclass
 class Limits:
-    """SGLang's own limits on the batch a replica forms, from /server_info."""
+    """SGLang's own limits on the batch OEA routes, from /server_info."""
 
-    max_running: Optional[int] = None  # requests one replica runs at once (None: not reported)
+    max_running: Optional[int] = None  # requests one scheduler (a replica, or an attention-DP group) runs at once
     default_cap: bool = False  # max_running is SGLang's speculative default, not a flag
     replicas: int = 1  # data-parallel replicas (dp_size), each with its own scheduler and batches
     graph_max_bs: Optional[int] = None  # decode CUDA graphs' largest batch (None: no graphs, or not reported)
+    groups: int = 1  # attention-DP groups (attn_dp_size; 1 without DP attention): one gathered batch for OEA
+
+    @property
+    def batch_max(self) -> Optional[int]:
+        """The most requests in one batch OEA routes: a replica's, or every group's gathered together."""
+        return self.max_running * self.groups if self.max_running else None
 
 
 @dataclass
 class Gate:
-    """Whether OEA's batch gate can open at one concurrency, on the batch one replica forms."""
+    """Whether OEA's batch gate can open at one concurrency, on the batch OEA routes there (one
+    replica's, or under DP attention every group's requests gathered)."""
 
     concurrency: int
-    requests: int  # requests in one replica's pass: min(ceil(C / replicas), its max running requests)
+    requests: int  # requests in the pass OEA routes: min(ceil(C / replicas), max running x groups)
     rows: int  # routed token rows of that pass: requests x rows per request
     open: bool
     why: str  # one line: the arithmetic that decides it
     replicas: int = 1
-    above_limit: bool = False  # C / replicas is above what a replica runs at once: the rest wait
-    eager: bool = False  # requests above the decode CUDA graphs' largest batch: those passes run eagerly
+    above_limit: bool = False  # C is above what the server runs at once: the rest wait
+    eager: bool = False  # a scheduler's requests above the decode CUDA graphs' largest batch: eager passes
+    groups: int = 1  # attention-DP groups gathered into that pass (1 without DP attention)
+    group_requests: int = 0  # the busiest group's requests (= requests without DP attention): its graph bucket
 
 
 @dataclass
@@ -83,12 +99,13 @@ class Preflight:
     def gate(self, conc: int) -> Gate:
         """The gate at any concurrency (swept or not), with the server's settings and limits."""
         return gate_at(conc, self.original, self.rows_per_request, self.limits.max_running, self.limits.replicas,
-                       self.limits.graph_max_bs)
+                       self.limits.graph_max_bs, self.limits.groups)
 
     def smallest_open_concurrency(self) -> Optional[int]:
         """The smallest concurrency at which the gate opens on every replica: --oea-min-batch requests
-        per replica (under speculative decoding as many requests, each of D rows); None when it opens
-        at no concurrency up to the largest swept one."""
+        per replica, counted over every attention-DP group together under DP attention (under
+        speculative decoding as many requests, each of D rows); None when it opens at no
+        concurrency up to the largest swept one."""
         return next((c for c in range(1, max(self.open_concurrencies, default=0) + 1) if self.gate(c).open), None)
 
     @property
@@ -134,25 +151,42 @@ def model_top_k(info: Dict, tokenizer: Optional[str]) -> Optional[int]:
 
 
 def gate_at(conc: int, settings: Dict[str, int], rows_per_request: int, max_running: Optional[int],
-            replicas: int = 1, graph_max_bs: Optional[int] = None) -> Gate:
+            replicas: int = 1, graph_max_bs: Optional[int] = None, groups: int = 1) -> Gate:
     """Whether the gate in `settings` (oea_min_batch requests, oea_max_batch token rows, 0 = no cap)
     can open at concurrency conc on every one of `replicas` data-parallel replicas, each forming
-    passes of about conc / replicas requests, at most max_running (see the module doc)."""
-    def running(n: int) -> int:
-        return min(n, max_running) if max_running else n
+    passes of about conc / replicas requests; under DP attention (groups > 1) a replica's requests
+    are spread over `groups` schedulers (max_running each) and OEA routes them gathered, one batch
+    (see the module doc)."""
+    groups = max(groups, 1)
+    share = -(-conc // replicas)  # a replica's requests: the most any replica gets
+    per_group = -(-share // groups)  # the busiest attention-DP group's (round robin): the graph bucket's
 
-    fewest, most = running(conc // replicas), running(-(-conc // replicas))
+    def batch(n: int) -> int:  # requests in the pass OEA routes when a replica holds n: all groups' together
+        return min(n, max_running * groups) if max_running else n
+
+    fewest, most = batch(conc // replicas), batch(share)
+    busiest = min(per_group, max_running) if max_running else per_group
     rows = most * rows_per_request
     floor, cap = settings.get("oea_min_batch", 1), settings.get("oea_max_batch", 0)
-    above = bool(max_running) and -(-conc // replicas) > max_running
-    eager = bool(graph_max_bs) and most > graph_max_bs
+    above = bool(max_running) and per_group > max_running
+    eager = bool(graph_max_bs) and busiest > graph_max_bs
     span = f"{fewest}" if fewest == most else f"{fewest}-{most}"
     reqs = f"{span} request{'s' if most != 1 else ''}" + (f" per replica ({replicas} replicas)" if replicas > 1 else "")
+    if groups > 1:
+        least = min(share // groups, max_running) if max_running else share // groups
+        each = f"{busiest}" if least == busiest else f"{least}-{busiest}"
+        reqs += f" gathered from {groups} attention-DP groups ({each} each)"
     per = f"{reqs} x {rows_per_request} rows = {rows} rows" if rows_per_request > 1 else reqs
-    notes = (f"; the server runs at most {max_running} requests at once{' per replica' if replicas > 1 else ''}: "
-             "the rest wait" if above else "")
-    notes += f"; above cuda_graph_max_bs {graph_max_bs}: these passes run without CUDA graphs" if eager else ""
-    gate = Gate(conc, most, rows, True, "", replicas, above, eager)
+    if groups > 1:
+        notes = (f"; the server runs at most {max_running * groups} requests at once ({max_running} per "
+                 "attention-DP group): the rest wait" if above else "")
+        notes += (f"; the busiest group's {busiest} requests are above cuda_graph_max_bs {graph_max_bs} (a "
+                  "per-group limit): these passes run without CUDA graphs" if eager else "")
+    else:
+        notes = (f"; the server runs at most {max_running} requests at once{' per replica' if replicas > 1 else ''}: "
+                 "the rest wait" if above else "")
+        notes += f"; above cuda_graph_max_bs {graph_max_bs}: these passes run without CUDA graphs" if eager else ""
+    gate = Gate(conc, most, rows, True, "", replicas, above, eager, groups, busiest)
     if fewest < floor:
         gate.open, gate.why = False, f"{per} < min_batch {floor}{notes}"
     elif cap and rows > cap:
@@ -179,16 +213,39 @@ def decode_graph_max_bs(info: Dict) -> Optional[int]:
             or positive_int(info.get("cuda_graph_max_bs")))
 
 
+def data_parallel(info: Dict) -> Tuple[int, int]:
+    """(data-parallel replicas, attention-DP groups) of a /server_info answer.
+
+    SGLang 0.5.23 reports DP attention as attn_dp_size G (with enable_dp_attention true when G > 1)
+    and dp_size as the replicas; it refuses --dp-size > 1 together with --attn-dp-size > 1 at startup
+    (arg_groups/parallel_hook.py), so one of the two is 1, and it resolves the deprecated
+    `--dp-size G --enable-dp-attention` to attn_dp_size G, dp_size 1. A server that reports
+    enable_dp_attention without an attn_dp_size above 1 counts its groups the deprecated way, in
+    dp_size. Were both above 1, each replica's groups would gather their own batch (SGLang counts
+    dp_size x attn_dp_size DP ranks); gate_at computes that too."""
+    dp_size = positive_int(info.get("dp_size")) or 1
+    groups = positive_int(info.get("attn_dp_size")) or 1
+    if groups > 1:
+        return dp_size, groups
+    if info.get("enable_dp_attention") and dp_size > 1:
+        return 1, dp_size
+    return dp_size, 1
+
+
 def read_limits(info: Dict, speculative: Optional[str]) -> Limits:
-    """SGLang's limits on the batch a replica forms (Limits), from a /server_info answer."""
+    """SGLang's limits on the batch OEA routes (Limits), from a /server_info answer."""
+    replicas, groups = data_parallel(info)
     first = (info.get("internal_states") or [{}])[0] or {}
+    total = positive_int(info.get("max_running_requests"))
+    # each scheduler's own figure; without it, SGLang's split of the server's over the attention-DP groups
     max_running = (positive_int(first.get("effective_max_running_requests_per_dp"))
-                   or positive_int(info.get("max_running_requests")))
+                   or (max(1, total // groups) if total else None))
     launch = info.get("launch_command")
     launch = " ".join(launch) if isinstance(launch, list) else str(launch or "")
-    default_cap = bool(speculative) and max_running == EAGLE_DEFAULT_MAX_RUNNING and "--max-running-requests" \
-        not in launch
-    return Limits(max_running, default_cap, positive_int(info.get("dp_size")) or 1, decode_graph_max_bs(info))
+    # SGLang's speculative default is the server's 48, which DP attention splits over its groups
+    default_cap = bool(speculative) and bool(max_running) and max_running * groups == EAGLE_DEFAULT_MAX_RUNNING \
+        and "--max-running-requests" not in launch
+    return Limits(max_running, default_cap, replicas, decode_graph_max_bs(info), groups)
 
 
 def kernel_lines(states: List[Dict]) -> Tuple[List[str], bool]:
@@ -228,7 +285,7 @@ def preflight(url: str, tokenizer: Optional[str], k0s: Sequence[int], concurrenc
     speculative = info.get("speculative_algorithm") or None
     rows = int(info.get("speculative_num_draft_tokens") or 1) if speculative else 1
     limits = read_limits(info, speculative)
-    gates = [gate_at(c, original, rows, limits.max_running, limits.replicas, limits.graph_max_bs)
+    gates = [gate_at(c, original, rows, limits.max_running, limits.replicas, limits.graph_max_bs, limits.groups)
              for c in concurrencies]
     pre = Preflight(url, info, states, original, model_top_k(info, tokenizer), speculative, rows, limits.max_running,
                     gates, limits=limits)
@@ -242,7 +299,9 @@ def describe(pre: Preflight) -> None:
     s = pre.original
     envelope = pre.states[0].get("envelope") or {}
     k0_now = s.get("oea_k0", 0)
-    pre.lines.append(f"OEA armed on {len(pre.states)} scheduler(s); in force: k0 {k0_now}"
+    groups = pre.limits.groups
+    each = " (one per attention-DP group)" if groups > 1 and len(pre.states) == groups else ""
+    pre.lines.append(f"OEA armed on {len(pre.states)} scheduler(s){each}; in force: k0 {k0_now}"
                      f"{' (off)' if k0_now == 0 else ''}, min_batch {s.get('oea_min_batch')} requests, max_batch "
                      f"{s.get('oea_max_batch') or 'no cap'}{' token rows' if s.get('oea_max_batch') else ''}")
     pre.lines.append(f"startup envelope (the widest gate live settings may set): min_batch >= "
@@ -257,14 +316,20 @@ def describe(pre: Preflight) -> None:
     metrics = "on" if pre.info.get("enable_metrics") else "OFF"
     pre.lines.append(f"metrics: {metrics}; step counters reach /metrics every "
                      f"{pre.decode_log_interval} decode steps (--decode-log-interval); tp_size "
-                     f"{pre.info.get('tp_size', '?')}, dp_size {pre.info.get('dp_size', '?')}")
+                     f"{pre.info.get('tp_size', '?')}, dp_size {pre.info.get('dp_size', '?')}"
+                     + (f", attn_dp_size {groups}" if groups > 1 else ""))
     pre.lines.append(f"model top-k: {pre.top_k or 'unknown (no config.json in --tokenizer or the model path)'}")
     pre.lines.append(limits_line(pre.limits))
     if k0_now:
         pre.warnings.append(f"OEA is on now (k0 {k0_now}): the trial measures OEA off against each --k0 and puts "
                             f"k0 {k0_now} back at the end")
     above = [g.concurrency for g in pre.gates if g.above_limit]
-    if above:
+    if above and groups > 1:
+        pre.warnings.append(f"C={', '.join(map(str, above))}: above the {pre.limits.batch_max} requests the {groups} "
+                            f"attention-DP groups run at once together ({pre.limits.max_running} each); the rest "
+                            "wait in the queue, so these cells measure gathered batches of "
+                            f"{pre.limits.batch_max} (raise --max-running-requests to measure more)")
+    elif above:
         pre.warnings.append(f"C={', '.join(map(str, above))}: above the {pre.limits.max_running} requests a replica "
                             "runs at once; the rest wait in the queue, so these cells measure batches of "
                             f"{pre.limits.max_running} (raise --max-running-requests to measure more)")
@@ -272,9 +337,20 @@ def describe(pre: Preflight) -> None:
 
 def limits_line(limits: Limits) -> str:
     """The preflight's line on SGLang's limits."""
+    default = "SGLang's default under speculative decoding: --max-running-requests is not set"
+    why = f" ({default})" if limits.default_cap else ""
+    if limits.groups > 1:
+        # the groups are not replicas for OEA: its gate counts the gathered batch, every group's requests
+        per = f"{limits.max_running} per group" + (f", {default}" if limits.default_cap else "")
+        most = (f"up to {limits.batch_max} requests ({per})" if limits.max_running
+                else "the running-request limit is not reported")
+        graphs = (f"decode CUDA graphs up to {limits.graph_max_bs} requests per group (a pass whose busiest group "
+                  "holds more runs eagerly)" if limits.graph_max_bs else "no decode CUDA graphs reported")
+        replicas = (f"; {limits.replicas} data-parallel replicas, each gathering its own groups (about C / "
+                    f"{limits.replicas} requests each)" if limits.replicas > 1 else "")
+        return (f"limits: DP attention: {limits.groups} attention-DP groups; OEA's gate counts their requests "
+                f"together (one gathered batch), {most}; {graphs}{replicas}")
     if limits.max_running:
-        why = (" (SGLang's default under speculative decoding: --max-running-requests is not set)"
-               if limits.default_cap else "")
         running = f"each replica runs at most {limits.max_running} requests at once{why}"
     else:
         running = "the running-request limit is not reported"

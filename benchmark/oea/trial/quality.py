@@ -2,7 +2,8 @@
 
 Quality, per arm (OEA off, then each k0), at each quality concurrency (quality_concurrencies): by
 default the smallest concurrency at which the server's gate opens (--oea-min-batch requests per
-replica: where OEA gives up the most routing), and the largest swept concurrency with an open gate;
+replica, under DP attention counted over every attention-DP group together: where OEA gives up the
+most routing), and the largest swept concurrency with an open gate;
 --quality-concurrency replaces both. Each is one run of:
 - lm-eval: lm-evaluation-harness's `local-completions` model against the server's
   /v1/completions, the operator's task, samples logged. It runs in one long-lived process
@@ -353,14 +354,16 @@ def accept_probe(url: str, k0s: Sequence[int], concurrencies: Sequence[int], pro
 def quality_concurrencies(pre, override: Optional[Sequence[int]]) -> List[Dict]:
     """[{"concurrency", "why", "rows"}] of the quality step: --quality-concurrency, else the smallest
     concurrency at which the server's gate opens and the largest swept one with an open gate (once
-    when they are equal); rows: the token rows one replica routes per pass there."""
+    when they are equal); rows: the token rows of the pass OEA routes there (one replica's, or under
+    DP attention every group's gathered)."""
     if override:
         chosen = [(c, "--quality-concurrency") for c in dict.fromkeys(override)]
     else:
         smallest, largest = pre.smallest_open_concurrency(), max(pre.open_concurrencies)
-        floor, replicas = pre.original.get("oea_min_batch", 1), pre.limits.replicas
+        floor, replicas, groups = pre.original.get("oea_min_batch", 1), pre.limits.replicas, pre.limits.groups
         where = (f"min_batch {floor} request{'s' if floor != 1 else ''}"
                  + (f" on each of {replicas} replicas" if replicas > 1 else "")
+                 + (f" counted over {groups} attention-DP groups together" if groups > 1 else "")
                  + (f", {pre.rows_per_request} rows each" if pre.rows_per_request > 1 else ""))
         chosen = [(smallest, f"the smallest concurrency at which the gate opens ({where}): where OEA gives up the "
                              "most routing")]

@@ -9,8 +9,10 @@ Start the server with your own flags (EAGLE / MTP included) plus `--oea-k0 0 --e
 
 1. Preflight, before any load (preflight.py): OEA armed on every scheduler, each rank's
    routing kernel and self-check, the startup envelope, speculative decoding and its draft tokens,
-   metrics on, SGLang's limits (running requests per replica, decode CUDA graphs, DP replicas); for
-   every concurrency whether OEA's batch gate can open on the batch a replica forms. A trial that
+   metrics on, SGLang's limits (running requests per replica or attention-DP group, decode CUDA
+   graphs, DP replicas, attention-DP groups); for every concurrency whether OEA's batch gate can open
+   on the batch OEA routes (a replica's; under DP attention every group's requests gathered into one
+   batch, which the gate counts). A trial that
    cannot mean anything is refused with the reason (exit status 2), before any request. Then the
    plan (budget.py): --budget-minutes covers the whole trial; an estimate per phase (with times
    once the first run has measured the speed) and what will be cut to fit.

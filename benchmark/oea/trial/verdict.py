@@ -11,16 +11,17 @@ A cell's throughput verdict, from the paired per-repeat ratios OEA / off (common
 The recommendation is the k0 to leave on, or 0 (keep OEA off), with the flags to keep it. A k0's
 window is the open concurrencies it may run at: all of them, unless it is resolved slower at some
 concurrencies that all lie above every one where it is resolved faster; then the cap that keeps it
-to those (cap_for: --oea-max-batch = the token rows one replica routes at the largest concurrency
-where it is faster) is suggested instead of rejecting it. A k0 qualifies when, in its window, it is
-resolved faster at one concurrency at least, resolved slower at none, its quality comparisons are
-within their bound (every quality concurrency in the window, when quality was measured), and under
-speculative decoding its accept length is shown non-inferior at every concurrency. Among those, the
-highest geometric mean of the median ratios over the window wins; a larger k0 (it changes less of
-the routing) is taken instead when its min-max overlaps the winner's at every open concurrency.
-The launch flags to keep are `--oea-k0 K --oea-min-batch M --oea-max-batch R` (M the server's
-floor, R the cap: suggested, else the server's); "keep OEA off" says how to take OEA off the routing
-path and what arming costs meanwhile (ARMING_COST).
+to those (cap_for: --oea-max-batch = the token rows of the pass OEA routes at the largest
+concurrency where it is faster: one replica's, or under DP attention every group's gathered) is
+suggested instead of rejecting it. A k0 qualifies when, in its window, it is resolved faster at one
+concurrency at least, resolved slower at none, its quality comparisons are within their bound
+(every quality concurrency in the window, when quality was measured), and under speculative
+decoding its accept length is shown non-inferior at every concurrency. Among those, the highest
+geometric mean of the median ratios over the window wins; a larger k0 (it changes less of the
+routing) is taken instead when its min-max overlaps the winner's at every open concurrency. The
+launch flags to keep are `--oea-k0 K --oea-min-batch M --oea-max-batch R` (M the server's floor,
+R the cap: suggested, else the server's; under DP attention both count the gathered batch); "keep
+OEA off" says how to take OEA off the routing path and what arming costs meanwhile (ARMING_COST).
 """
 
 import json
@@ -86,7 +87,8 @@ def build_cells(pre, k0s: Sequence[int], summary: report.Summary, rows: Dict, qu
 
 
 def rows_of(cell: Dict) -> int:
-    """The token rows one replica routes per pass at the cell's concurrency."""
+    """The token rows of the pass OEA routes at the cell's concurrency (one replica's, or under DP
+    attention every attention-DP group's gathered: the units of --oea-max-batch)."""
     return cell.get("rows") or cell["concurrency"]
 
 
@@ -184,7 +186,8 @@ def recommend(k0s: Sequence[int], cells: Sequence[Dict], quality: Optional[List[
 
 
 def rows_text(rows: int, rows_per_request: int) -> str:
-    """'128 token rows: 32 requests x 4 draft tokens' (one replica's pass), or 'N requests'."""
+    """'128 token rows: 32 requests x 4 draft tokens' (one pass OEA routes: a replica's, or the
+    gathered batch under DP attention), or 'N requests'."""
     if rows_per_request > 1:
         return f"{rows} token rows: {rows // rows_per_request} requests x {rows_per_request} draft tokens"
     return f"{rows} token rows: {rows} requests"

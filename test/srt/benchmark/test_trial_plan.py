@@ -1,6 +1,7 @@
 """benchmark/oea/trial/: what the trial plans and decides, without a server.
 
-SGLang's limits and the gate per replica (preflight.py), the quality concurrencies (quality.py),
+SGLang's limits and the gate per replica or, under DP attention, on the gathered batch
+(preflight.py), the quality concurrencies (quality.py),
 the one budget and its cuts (budget.py), the throughput loop repeating blocks until resolved
 (throughput.py, with a stand-in sweep), the accept-length probe sized for its bound (quality.py,
 with an in-memory server), the recommendation's cap, flags and "keep OEA off" advice, and the
@@ -93,6 +94,76 @@ def test_quality_runs_where_the_gate_opens_and_at_the_largest_open_concurrency(t
     monkeypatch.setattr(tp, "read_server_info", lambda url: eagle_info(tmp_path, dp_size=2, min_batch=2))
     pre = tp.preflight("http://x", None, [4], [4])
     assert [q["concurrency"] for q in tq.quality_concurrencies(pre, None)] == [4]  # the same C: once
+
+
+def dp_attention_info(tmp_path, min_batch=4, max_batch=256, max_bs=16):
+    """/server_info shaped like a real SGLang 0.5.23 server's with --tp 2 --attn-dp-size 2 under EAGLE
+    (4 draft tokens, --max-running-requests not set: 48 in all, 24 per group): dp_size 1, one
+    internal state per attention-DP group's scheduler, each OEA state with its group as dp_rank."""
+    info = eagle_info(tmp_path, dp_size=2, max_running=24, max_bs=max_bs, min_batch=min_batch, max_batch=max_batch)
+    for rank, state in enumerate(info["internal_states"]):
+        state["oea"] = {**state["oea"], "dp_rank": rank}
+    return {**info, "dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True, "tp_size": 2,
+            "max_running_requests": 48}
+
+
+def test_under_dp_attention_the_gate_counts_the_gathered_batch(tmp_path, monkeypatch):
+    """The attention-DP groups are not replicas for OEA: every group's requests form one batch."""
+    monkeypatch.setattr(tp, "read_server_info", lambda url: dp_attention_info(tmp_path))
+    pre = tp.preflight("http://x", None, [4], [2, 4, 5, 32, 40, 64])
+    assert (pre.limits.replicas, pre.limits.groups, pre.limits.max_running, pre.limits.batch_max) == (1, 2, 24, 48)
+    assert pre.limits.default_cap  # SGLang's 48, split 24 + 24
+    by = {g.concurrency: g for g in pre.gates}
+    assert not by[2].open and by[2].why.startswith("2 requests gathered from 2 attention-DP groups (1 each)")
+    # min_batch 4 opens at C=4, though each group holds 2 (as replicas, 2 < 4 would keep it closed)
+    assert by[4].open and (by[4].requests, by[4].rows, by[4].group_requests) == (4, 16, 2)
+    assert by[4].why == ("4 requests gathered from 2 attention-DP groups (2 each) x 4 rows = 16 rows: >= min_batch 4, "
+                         "<= max_batch 256 rows")
+    assert by[5].why.startswith("5 requests gathered from 2 attention-DP groups (2-3 each)")
+    assert pre.smallest_open_concurrency() == 4
+    # the decode graphs' max_bs 16 is per group: 32 gathered (16 each) replay graphs, 40 (20 each) run eagerly
+    assert not by[32].eager and by[40].eager and "the busiest group's 20 requests are above cuda_graph_max_bs 16" \
+        in by[40].why
+    # at most 48 gathered (24 per group): C=64 routes 48 x 4 rows
+    assert by[64].above_limit and not by[40].above_limit and (by[64].requests, by[64].rows) == (48, 192)
+    assert "at most 48 requests at once (24 per attention-DP group): the rest wait" in by[64].why
+    lines = " | ".join(pre.lines)
+    assert ("limits: DP attention: 2 attention-DP groups; OEA's gate counts their requests together (one gathered "
+            "batch), up to 48 requests (24 per group, SGLang's default under speculative decoding: "
+            "--max-running-requests is not set); decode CUDA graphs up to 16 requests per group") in lines
+    assert "OEA armed on 2 scheduler(s) (one per attention-DP group)" in lines and "attn_dp_size 2" in lines
+    assert any(w.startswith("C=64: above the 48 requests the 2 attention-DP groups run at once together (24 each)")
+               for w in pre.warnings)
+    # quality where the gate first opens, counted over both groups; the cap in gathered token rows
+    at = tq.quality_concurrencies(pre, None)
+    assert (at[0]["concurrency"], at[0]["rows"]) == (4, 16)
+    assert "min_batch 4 requests counted over 2 attention-DP groups together, 4 rows each" in at[0]["why"]
+    spreads = {(4, 1.10, 1.12, 1.14), (32, 1.04, 1.06, 1.08), (40, 0.90, 0.92, 0.94)}
+    summary = report.Summary([], [], {}, {(c, report.arm_name(4)): report.Spread(m, lo, hi, 3)
+                                          for c, lo, m, hi in spreads})
+    cells = [c for c in tr.build_cells(pre, [4], summary, {}, None, None) if c["concurrency"] in (4, 32, 40)]
+    rec = tr.recommend([4], cells, None, False, pre.original, pre.rows_per_request)
+    assert rec["cap"]["max_batch"] == 128  # 32 requests gathered x 4 rows, not one group's 16 x 4
+    assert rec["flags"] == "--oea-k0 4 --oea-min-batch 4 --oea-max-batch 128"
+
+
+def test_under_dp_attention_the_cap_counts_every_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(tp, "read_server_info", lambda url: dp_attention_info(tmp_path, min_batch=2, max_batch=64))
+    pre = tp.preflight("http://x", None, [4], [16, 20])
+    assert pre.gates[0].open and pre.gates[0].rows == 64
+    assert not pre.gates[1].open and "= 80 rows > max_batch 64" in pre.gates[1].why  # 10 per group: 40 as replicas
+
+
+def test_how_data_parallel_fields_are_read():
+    """SGLang 0.5.23: --attn-dp-size G reports attn_dp_size G, dp_size 1; a server reporting the
+    deprecated spelling (dp_size G with enable_dp_attention, no attn_dp_size) has G groups too."""
+    assert tp.data_parallel({"dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True}) == (1, 2)
+    assert tp.data_parallel({"dp_size": 4, "enable_dp_attention": True}) == (1, 4)
+    assert tp.data_parallel({"dp_size": 4, "attn_dp_size": 1, "enable_dp_attention": False}) == (4, 1)
+    assert tp.data_parallel({}) == (1, 1)
+    # without the per-scheduler figure, SGLang's split of the server's limit over the groups
+    limits = tp.read_limits({"attn_dp_size": 2, "max_running_requests": 48, "internal_states": [{}, {}]}, "EAGLE")
+    assert (limits.max_running, limits.batch_max, limits.default_cap) == (24, 48, True)
 
 
 # ----------------------------------------------------------------------------- the budget
