@@ -488,8 +488,8 @@ def test_is_available(monkeypatch):
 @needs_kernel
 def test_gpu_check_dry_run():
     """The prepared GPU script's CPU mode: correctness subset, the runtime path's warm-up / capture /
-    replay sequence (is_capturing forced on), live settings changed between replays of one capture,
-    and the kernel's graph-free replay sequence."""
+    replay sequence (is_capturing forced on), the same on DP attention's gathered batch, live settings
+    changed between replays of one capture, and the kernel's graph-free replay sequence."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "python"))
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmark/oea/gpu/gpu_check.py"), "--dry-run"],
@@ -501,6 +501,7 @@ def test_gpu_check_dry_run():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check 5 (runtime path" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout[-3000:]
     assert "check 10 (live settings" in proc.stdout, proc.stdout[-3000:]
+    assert "check 11 (DP attention" in proc.stdout, proc.stdout[-3000:]
     assert "dry run: all checks passed" in proc.stdout
 
 

@@ -16,6 +16,12 @@ Checks, in the order they run (correctness first; numbers kept from earlier repo
      self-check's wall time; and the same captured as `--cuda-graph-backend-decode breakable` does
      around graph breaks: a graph per layer in one pool, eager work between them
      (gpu_runtime_check.py);
+ 11. the runtime path under DP attention (2 attention-DP groups): the same layers and sequence on a
+     gathered batch, captured as SGLang captures a bucket of every group, replayed with each group's
+     real rows (an idle group, one group full, gate open and closed), NaN and then huge logits in
+     every padded row; the real rows == the reference over them alone, bit-stable whatever the
+     padding holds; eager gathered passes in SGLang's padded slots; the kernel, the torch path, a
+     breakable capture and a verify graph (gpu_dp_check.py);
  10. live settings under that graph, captured once: k0 3 -> 5 -> 0 -> 3 -> top-k and the gate's
      floor and cap changed between replays (OEARuntime.request_settings), each replay == the
      reference at its pass's settings (k0 = 0 and k0 >= top-k: the router's own bits), nothing
@@ -53,7 +59,7 @@ when it runs short, and the report says what was left out. A check that raises i
 traceback and the next one still runs. The exit status is 1 on any correctness failure; the time
 targets of check 3 are reported as pass/fail, not enforced.
 --dry-run sets TRITON_INTERPRET=1 (Triton's CPU interpreter) and runs a subset of check 1 (half
-of it with counters), checks 5 and 9 on small shapes without a graph (is_capturing forced on for
+of it with counters), checks 5, 11 and 9 on small shapes without a graph (is_capturing forced on for
 the "captured" calls, as test/srt/test_graph_path.py), check 2 without a graph, check 8 on 16K values,
 check 7 as the protocol alone (no streams), check 10 on small shapes without a graph and a tiny
 grouped GEMM.
@@ -84,6 +90,7 @@ import triton  # noqa: E402
 
 from gpu.gpu_cases import large_cases, sampled_cases  # noqa: E402
 from gpu.gpu_compare import check_correctness, check_graph_replay  # noqa: E402
+from gpu.gpu_dp_check import check_dp_attention  # noqa: E402
 from gpu.gpu_live_check import check_live_settings  # noqa: E402
 from gpu.gpu_moe import bench_moe, check_grouped_gemm_small  # noqa: E402
 from gpu.gpu_overlap_check import check_overlapped_snapshots  # noqa: E402
@@ -100,7 +107,7 @@ def _versions() -> str:
 
 
 def dry_run(workers: int = 1) -> int:
-    """CPU, interpreter: a correctness subset, checks 5 and 2 without a graph, a tiny grouped GEMM."""
+    """CPU, interpreter: a correctness subset, checks 5, 11 and 2 without a graph, a tiny grouped GEMM."""
     t0 = time.time()
     cases = [replace(c, stats=i % 2 == 0) for i, c in enumerate([c for c in sampled_cases() if c.B <= 16][::4][:12])]
     errors, secs = check_correctness(cases, "cpu", workers=workers)
@@ -109,6 +116,9 @@ def dry_run(workers: int = 1) -> int:
     t = time.time()
     runtime_errors, lines = check_runtime_path("cpu", use_graph=False)
     print(f"check 5 (runtime path, no graph: is_capturing forced on), {time.time() - t:.1f} s:\n" + "\n".join(lines))
+    t = time.time()
+    dp_errors, lines = check_dp_attention("cpu", use_graph=False)
+    print(f"check 11 (DP attention, gathered batch, no graph), {time.time() - t:.1f} s:\n" + "\n".join(lines))
     t = time.time()
     live_errors, lines = check_live_settings("cpu", use_graph=False)
     print(f"check 10 (live settings, no graph), {time.time() - t:.1f} s:\n" + "\n".join(lines))
@@ -122,8 +132,8 @@ def dry_run(workers: int = 1) -> int:
     print("check 7 (protocol only, no streams):\n" + "\n".join(lines))
     gemm_error = check_grouped_gemm_small("cpu")
     print(f"grouped GEMM (tiny, float32): {'ok' if gemm_error is None else gemm_error}")
-    failures = (errors + runtime_errors + live_errors + workspace_errors + graph_errors + bits_errors + overlap_errors
-                + ([gemm_error] if gemm_error else []))
+    failures = (errors + runtime_errors + dp_errors + live_errors + workspace_errors + graph_errors + bits_errors
+                + overlap_errors + ([gemm_error] if gemm_error else []))
     for f in failures:
         print("FAIL:", f)
     if failures:
@@ -216,6 +226,11 @@ def gpu_run(out_path: Path, workers: int, budget_s: float) -> int:
         run.failures.extend(errors)
         run.report.extend(lines)
 
+    def check_11():
+        errors, lines = check_dp_attention(device, use_graph=True)
+        run.failures.extend(errors)
+        run.report.extend(lines)
+
     def check_10():
         errors, lines = check_live_settings(device, use_graph=True)
         run.failures.extend(errors)
@@ -261,6 +276,7 @@ def gpu_run(out_path: Path, workers: int, budget_s: float) -> int:
         ("8. Kernel scores == torch scores, bit for bit; 1-ulp near-ties", check_8, True),
         ("1. Kernel == reference (CUDA)", check_1, True),
         ("5. Runtime path under one real CUDA graph (OEARuntime, as SGLang drives it)", check_5, True),
+        ("11. Runtime path under DP attention: 2 groups' gathered batch, one real CUDA graph", check_11, True),
         ("10. Live settings under one CUDA graph captured once (k0, min_batch, max_batch changed between replays)",
          check_10, True),
         ("9. Workspaces outlive the graphs of verify runners of growing width", check_9, True),

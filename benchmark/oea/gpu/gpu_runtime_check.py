@@ -1,5 +1,6 @@
 """Check 5 of benchmark/oea/gpu/gpu_check.py: the real runtime path, driven as SGLang drives it (check 6,
-its timing, is in gpu_timing.py and uses the layers made here).
+its timing, is in gpu_timing.py and uses the layers made here; check 11, the same under DP attention,
+is in gpu_dp_check.py).
 
 Check 5 (correctness). Per scenario: an OEARuntime(OEAConfig(k0, min_batch=4, max_batch=M)) and
 MoE layers of two model shapes, each layer with its own SimpleNamespace TopKConfig (as
@@ -530,6 +531,16 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     return failures, row, recorder.compiled
 
 
+
+def report_raised(name: str, exc: Exception, failures: list, lines: list, extra: list) -> None:
+    """A scenario that raised: its traceback printed and kept below the table, one failure line and
+    one table row (7 columns) naming it; the next scenario still runs."""
+    tb = traceback.format_exc()
+    print(tb)
+    failures.append(f"{name}: raised {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+    lines.append(f"| {name} | raised {type(exc).__name__} (traceback below) | | | | | |")
+    extra += [f"'{name}' raised:", "", "```", tb.strip(), "```", ""]
+
 def check_runtime_path(device, use_graph: bool) -> Tuple[List[str], List[str]]:
     """Check 5 (use_graph=False: the CPU stand-in). Returns (failures, report lines); a scenario that
     raises (a GraphCaptureError included) is a failure, reported with its traceback."""
@@ -551,11 +562,7 @@ def check_runtime_path(device, use_graph: bool) -> Tuple[List[str], List[str]]:
             try:
                 errors, row, launched = capture_and_replay(sc, shapes, device, use_graph, watch)
             except Exception as e:
-                tb = traceback.format_exc()
-                print(tb)
-                failures.append(f"{sc.name}: raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
-                lines.append(f"| {sc.name} | raised {type(e).__name__} (traceback below) | | | | | |")
-                extra += [f"'{sc.name}' raised:", "", "```", tb.strip(), "```", ""]
+                report_raised(sc.name, e, failures, lines, extra)
                 continue
             failures += errors
             lines.append(row)
