@@ -51,8 +51,8 @@ def gathered_slots() -> Optional[List[int]]:
 
 
 def verify_width(forward_batch: Any) -> int:
-    width = getattr(forward_batch.spec_info, "num_tokens_per_req", None) if forward_batch.spec_info is not None else None
-    return int(width) if width else 1
+    """Draft tokens per request of a verify pass (1 without a speculative input)."""
+    return int(getattr(forward_batch.spec_info, "num_tokens_per_req", None) or 1)
 
 
 def gathered_step(forward_batch: Any, mode: str, routed_mode: str, groups: int, local_rows: int) -> dict:

@@ -23,28 +23,9 @@ Two layouts, the ones SGLang's gather produces:
 Every rank sees the same counts and the same N, so every rank computes the same order.
 """
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-
-
-@dataclass(frozen=True)
-class GatheredRows:
-    """The real token rows of each attention-DP group in one gathered pass (host ints).
-
-    rows: [G] real token rows of each group (requests in decode, requests x draft tokens in verify).
-    """
-
-    rows: Tuple[int, ...]
-
-    @property
-    def groups(self) -> int:
-        return len(self.rows)
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows)
 
 
 def slot_starts(padded: Sequence[int]) -> List[int]:

@@ -94,8 +94,7 @@ class DeviceState:
 
     def write_group_rows(self, rows) -> None:
         """Enqueue each group's real rows into group_rows on the current stream (no host sync)."""
-        pinned = self.group_rows.is_cuda
-        self.group_rows.copy_(torch.tensor(list(rows), dtype=torch.int32, pin_memory=pinned), non_blocking=pinned)
+        self.group_rows.copy_(host_int32(rows, self.group_rows.device), non_blocking=True)
 
     def write_control(self, settings: LiveSettings) -> None:
         """Enqueue the settings' values into the control block on the current stream."""
@@ -107,10 +106,9 @@ class DeviceState:
 
 
 def host_int32(values, device: torch.device) -> torch.Tensor:
-    """int32 [len(values)] on `device`, copied without a host sync: from pinned memory when the
-    device is a GPU (the caching host allocator keeps it alive until the copy is done)."""
-    pinned = device.type == "cuda"
-    return torch.tensor(list(values), dtype=torch.int32, pin_memory=pinned).to(device, non_blocking=pinned)
+    """int32 [len(values)] in host memory, pinned when `device` is a GPU, so that a non-blocking
+    copy to it needs no host sync (the caching host allocator keeps it alive until the copy is done)."""
+    return torch.tensor(list(values), dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
 class LayerRouter:

@@ -380,7 +380,8 @@ class OEARuntime:
             problem = ("the gathered slots' sizes are unknown" if slots is None
                        else layout_problem(num_rows, step.group_rows, slots))
             if problem is None:
-                block = host_int32(list(step.group_rows) + slot_starts(slots), state.rows.device)
+                block = host_int32(list(step.group_rows) + slot_starts(slots), state.rows.device).to(
+                    state.rows.device, non_blocking=True)
                 real, starts = block[:step.groups], block[step.groups:]
         if problem is not None or real is None:
             step.tally.layout = True

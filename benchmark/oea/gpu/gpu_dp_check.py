@@ -59,9 +59,9 @@ import torch
 
 from gpu.gpu_cases import SEED
 from gpu.gpu_runtime_check import (CPU_SHAPES, GPU_SHAPES, CompileWatch, GraphCapture, Layer, LaunchRecorder,
-                                   MoEShape, draw_inputs, forward, gate_open, make_layers, report_raised)
+                                   MoEShape, counters_match, draw_inputs, forward, gate_open, make_layers,
+                                   report_raised)
 from sglang_oea.config import OEAConfig
-from sglang_oea.counters import stats_between
 from sglang_oea.reference import distinct_experts
 from sglang_oea.routing import route_from_logits
 from sglang_oea.runtime import DECODE, SKIP_ABOVE_MAX, SKIP_BELOW_MIN, VERIFY, OEARuntime
@@ -360,12 +360,7 @@ def capture_and_replay_dp(sc: DPScenario, shapes: Sequence[MoEShape], device, us
     if sc.eager:  # an eager pass between replays must not disturb the graph's device state
         results.append("then " + replay(sc.replays[0]))
 
-    drained = stats_between(rt.counters.snapshot_now(), counters_mark)
-    got_sums = {} if drained is None else {int(r[3]): [int(v) for v in r[:3].tolist()] for r in drained}
-    want_sums = {k: v for k, v in want_sums.items() if v[0]}
-    stats_ok = got_sums == want_sums
-    if not stats_ok:
-        failures.append(f"{sc.name}: expert counters {got_sums}, expected {want_sums}")
+    stats_ok = counters_match(rt, counters_mark, want_sums, sc.name, failures)
     want_skips = Counter(SKIP_BELOW_MIN if req < sc.min_batch else SKIP_ABOVE_MAX
                          for req in passes if not gate_open(sc, req))
     opened = sum(gate_open(sc, req) for req in passes)

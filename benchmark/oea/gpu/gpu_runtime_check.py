@@ -508,12 +508,7 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
         failures += [f"{sc.name}: {e}" for e in errors]
         results.append(f"{rows}:{'ok' if not errors else 'FAIL'}{'' if gate_open(sc, rows) else '(closed)'}")
 
-    drained = stats_between(rt.counters.snapshot_now(), mark)
-    got_sums = {} if drained is None else {int(r[3]): [int(v) for v in r[:3].tolist()] for r in drained}
-    want_sums = {k: v for k, v in want_sums.items() if v[0]}
-    stats_ok = got_sums == want_sums
-    if not stats_ok:
-        failures.append(f"{sc.name}: expert counters {got_sums}, expected {want_sums}")
+    stats_ok = counters_match(rt, mark, want_sums, sc.name, failures)
     opened = sum(gate_open(sc, rows) for rows in sc.rows)
     want_skips = Counter(SKIP_BELOW_MIN if rows < sc.min_batch else SKIP_ABOVE_MAX
                          for rows in sc.rows if not gate_open(sc, rows))
@@ -531,6 +526,16 @@ def capture_and_replay(sc: Scenario, shapes: Sequence[MoEShape], device, use_gra
     return failures, row, recorder.compiled
 
 
+
+def counters_match(rt: OEARuntime, mark, want_sums: Dict[int, List[int]], name: str, failures: List[str]) -> bool:
+    """Whether the device expert counters since the snapshot `mark` equal want_sums (layer id ->
+    [steps, T before, T after], layers that never applied left out); a failure line when not."""
+    drained = stats_between(rt.counters.snapshot_now(), mark)
+    got_sums = {} if drained is None else {int(r[3]): [int(v) for v in r[:3].tolist()] for r in drained}
+    want_sums = {k: v for k, v in want_sums.items() if v[0]}
+    if got_sums != want_sums:
+        failures.append(f"{name}: expert counters {got_sums}, expected {want_sums}")
+    return got_sums == want_sums
 
 def report_raised(name: str, exc: Exception, failures: list, lines: list, extra: list) -> None:
     """A scenario that raised: its traceback printed and kept below the table, one failure line and
